@@ -1,0 +1,33 @@
+"""Command line: `python -m tensor_parallel_toy test [pytest args...]`."""
+import argparse
+import os
+import sys
+
+
+def _test(extra_args):
+    import pytest
+
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    code = pytest.main([package_dir, "-q", "-rs", "-p", "no:cacheprovider", *extra_args])
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        print("error: no tests were collected: a test run that tests nothing is a failure",
+              file=sys.stderr)
+        return 1
+    return int(code)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tensor_parallel_toy",
+        description="Tensor + sequence parallelism with hand-written autograd.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("test", help="run the test suite (spawns its own worker ranks); "
+                                "extra arguments go to pytest")
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "test":
+        return _test(extra)
+    parser.error(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

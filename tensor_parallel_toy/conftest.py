@@ -1,0 +1,34 @@
+"""pytest fixtures: one pool of worker processes per (backend, world size), reused by every test.
+
+Spawning a rank costs seconds (each imports torch), so the suite pays it once per world size,
+not once per test. A pool that lost a rank (a worker error kills it) is replaced on next use.
+"""
+import pytest
+import torch
+
+from tensor_parallel_toy.initialize import WorkerPool
+
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2,
+        reason=f"NCCL tests need >= 2 CUDA GPUs, found {torch.cuda.device_count()}")),
+]
+
+
+@pytest.fixture(scope="session")
+def pools():
+    live = {}
+
+    def get(world_size, backend="gloo"):
+        key = (backend, world_size)
+        if key not in live or not live[key].alive:
+            if backend == "nccl" and torch.cuda.device_count() < world_size:
+                pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, "
+                            f"found {torch.cuda.device_count()}")
+            live[key] = WorkerPool(world_size, backend=backend)
+        return live[key]
+
+    yield get
+    for pool in live.values():
+        pool.close()

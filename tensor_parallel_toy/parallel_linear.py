@@ -1,0 +1,285 @@
+"""Column- and row-parallel linear layers with sequence parallelism, written as autograd Functions.
+
+Notation: p = TP size, r = this rank's index in `tp_group`, s = sequence, b = batch.
+
+ColumnParallelLinear   Y = X W^T, W split by rows (output features)
+    X_r  [s/p, b, in]  --all-gather(seq)-->  X [s, b, in]  --GEMM with W_r [out/p, in]-->
+    Y_r  [s, b, out/p]
+    backward:  dX = dY_r W_r           [s, b, in], a partial sum over ranks -> reduce-scatter(seq)
+               dW_r = dY_r^T X         needs the full X: re-gathered from the saved X_r
+
+RowParallelLinear      Y = X W^T, W split by columns (input features)
+    X_r  [s, b, in/p]  --GEMM with W_r [out, in/p]-->  partial Y [s, b, out]
+                       --reduce-scatter(seq)-->  Y_r [s/p, b, out]
+    backward:  dY = all-gather(seq) of dY_r   [s, b, out]
+               dX_r = dY W_r  [s, b, in/p],   dW_r = dY^T X_r  [out, in/p]
+
+Each forward collective's backward is its conjugate (all-gather <-> reduce-scatter), because the
+transpose of "copy my block to everyone" is "sum everyone's copy of my block".
+
+Two Functions per layer: the basic one calls the collectives whole; the overlapped one cuts the
+GEMM into p sequence chunks and moves the chunks around a P2P ring (see comm.py) so that the
+transfer of one chunk runs under the GEMM of another. Both give the same numbers up to the
+order of fp32 additions. `overlap=True` on the Module picks the ring version.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import (Ring, all_gather_seq, all_reduce_, group_rank, group_size,
+                   reduce_scatter_seq, ring_all_gather, ring_reduce_scatter)
+
+
+def _flat(t):
+    """[s, b, n] -> [s*b, n] view (the GEMMs below are plain 2-D matmuls)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _linear_into(out, x, weight, bias):
+    """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
+    if bias is None:
+        torch.mm(_flat(x), weight.t(), out=_flat(out))
+    else:
+        torch.addmm(bias, _flat(x), weight.t(), out=_flat(out))
+
+
+def _bias_grad(dy):
+    return _flat(dy).sum(dim=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Column parallel: all-gather + GEMM
+# ----------------------------------------------------------------------------------------------
+class _AllGatherGemm(torch.autograd.Function):
+    """forward: all-gather(seq) then GEMM; backward: GEMM then reduce-scatter(seq).
+
+    Saves only the local shard X_r (s/p rows), not the gathered X: keeping X would cost p times
+    the activation memory that sequence parallelism exists to save. Backward re-gathers X while
+    the dX GEMM runs, then starts the dX reduce-scatter before the dW GEMM so that they overlap.
+    """
+
+    @staticmethod
+    def forward(ctx, x_local, weight, bias, group):
+        x_full, _ = all_gather_seq(x_local, group)
+        ctx.save_for_backward(x_local, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x_full, weight, bias)  # [s, b, out/p]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_local, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        x_full, gather = all_gather_seq(x_local, ctx.group, async_op=True)
+        dx_full = dy.matmul(weight)  # [s, b, in], runs while X is re-gathered
+        if gather is not None:
+            gather.wait()
+        dx_local, scatter = reduce_scatter_seq(dx_full, ctx.group, async_op=True)
+        dw = _flat(dy).t().mm(_flat(x_full))  # [out/p, in], runs while dX is reduce-scattered
+        db = _bias_grad(dy) if ctx.has_bias else None
+        if scatter is not None:
+            scatter.wait()
+        return dx_local, dw, db, None
+
+
+class _RingAllGatherGemm(torch.autograd.Function):
+    """Overlapped all-gather + GEMM: GEMM on chunk k while chunk k+1 travels the ring.
+
+    forward:  ring all-gather of X_r, each arriving chunk c goes straight into
+              Y[c*s/p:(c+1)*s/p] = X_c W_r^T (no gathered X is ever materialized).
+    backward: 1) ring all-gather of X_r again, dW_r += dY_c^T X_c for each chunk as it arrives;
+              2) ring reduce-scatter of dX, computing dX_c = dY_c W_r just before it is sent.
+    """
+
+    @staticmethod
+    def forward(ctx, x_local, weight, bias, group):
+        ring = Ring(group, x_local.device)
+        n = x_local.shape[0]
+        y = x_local.new_empty((n * ring.size, *x_local.shape[1:-1], weight.shape[0]))
+        ring_all_gather(x_local, ring,
+                        lambda c, x_c: _linear_into(y[c * n:(c + 1) * n], x_c, weight, bias))
+        ctx.save_for_backward(x_local, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_local, weight = ctx.saved_tensors
+        ring = Ring(ctx.group, x_local.device)
+        dy = dy.contiguous()
+        n = x_local.shape[0]
+        dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
+
+        dw = torch.zeros_like(weight)
+        ring_all_gather(x_local, ring,
+                        lambda c, x_c: dw.addmm_(_flat(dy_chunk(c)).t(), _flat(x_c)))
+        dx_local = ring_reduce_scatter(lambda c: dy_chunk(c).matmul(weight), ring)
+        db = _bias_grad(dy) if ctx.has_bias else None
+        return dx_local, dw, db, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Row parallel: GEMM + reduce-scatter
+# ----------------------------------------------------------------------------------------------
+def _reduced_bias_grad(dy_local, group):
+    """The bias is added after the reduce-scatter, to this rank's s/p rows only, so each rank's
+    bias gradient covers its own rows: sum them over the group to get the full gradient."""
+    return all_reduce_(_bias_grad(dy_local), group)
+
+
+class _GemmReduceScatter(torch.autograd.Function):
+    """forward: GEMM then reduce-scatter(seq); backward: all-gather(seq) then GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        y_partial = F.linear(x, weight)  # [s, b, out], a partial sum over the in/p slices
+        y_local, _ = reduce_scatter_seq(y_partial, group)  # [s/p, b, out]
+        if bias is not None:
+            y_local = y_local + bias
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return y_local
+
+    @staticmethod
+    def backward(ctx, dy_local):
+        x, weight = ctx.saved_tensors
+        dy, _ = all_gather_seq(dy_local.contiguous(), ctx.group)  # [s, b, out]
+        dx = dy.matmul(weight)  # [s, b, in/p]
+        dw = _flat(dy).t().mm(_flat(x))  # [out, in/p]
+        db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+class _GemmRingReduceScatter(torch.autograd.Function):
+    """Overlapped GEMM + reduce-scatter: chunk c's partial GEMM runs while the running sum of
+    the previous chunk travels the ring.
+
+    forward:  Y_r = sum over ranks q of X_q[chunk r] W_q^T, via ring_reduce_scatter.
+    backward: ring all-gather of dY_r; for each arriving chunk c:
+              dX[c] = dY_c W_r (into its slice) and dW_r += dY_c^T X[c].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ring = Ring(group, x.device)
+        n = x.shape[0] // ring.size
+        y_local = ring_reduce_scatter(lambda c: F.linear(x[c * n:(c + 1) * n], weight), ring)
+        if bias is not None:
+            y_local = y_local + bias
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return y_local
+
+    @staticmethod
+    def backward(ctx, dy_local):
+        x, weight = ctx.saved_tensors
+        ring = Ring(ctx.group, x.device)
+        n = dy_local.shape[0]
+        dx = torch.empty_like(x)
+        dw = torch.zeros_like(weight)
+
+        def consume(c, dy_c):
+            torch.mm(_flat(dy_c), weight, out=_flat(dx[c * n:(c + 1) * n]))
+            dw.addmm_(_flat(dy_c).t(), _flat(x[c * n:(c + 1) * n]))
+
+        ring_all_gather(dy_local.contiguous(), ring, consume)
+        db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The Modules
+# ----------------------------------------------------------------------------------------------
+def mark_tensor_parallel(param, dim):
+    """Parameter metadata read by sharding, checkpoint and grad-norm code (never names):
+    `tensor_parallel_dim` is the dim split across TP ranks, None for a replicated parameter."""
+    param.tensor_parallel_dim = dim
+    return param
+
+
+def _check_divisible(what, value, p):
+    if value % p:
+        raise ValueError(f"{what}={value} is not divisible by the tensor-parallel size {p}")
+
+
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
+                 device=None, dtype=None):
+        super().__init__()
+        p = group_size(tp_group)
+        _check_divisible("out_features" if split_dim == 0 else "in_features",
+                         (out_features, in_features)[split_dim], p)
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
+        shape = [out_features, in_features]
+        shape[split_dim] //= p
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim)
+        self.bias = None
+        if bias:
+            n_bias = out_features // p if split_dim == 0 else out_features
+            self.bias = mark_tensor_parallel(
+                nn.Parameter(torch.zeros(n_bias, device=device, dtype=dtype)),
+                0 if split_dim == 0 else None)
+        # nn.Linear's default init, with the fan-in of the *full* layer.
+        bound = 1 / math.sqrt(in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp_size={self.tp_size}, bias={self.bias is not None}, overlap={self.overlap}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Input `[s/p, b, in]` (sequence shard) -> output `[s, b, out/p]` (feature shard).
+
+    Weight shard `[out/p, in]` = rows r*out/p:(r+1)*out/p of the full weight; bias `[out/p]`.
+    """
+
+    def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype)
+
+    def forward(self, x):
+        fn = _RingAllGatherGemm if self.overlap else _AllGatherGemm
+        return fn.apply(x, self.weight, self.bias, self.tp_group)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input `[s, b, in/p]` (feature shard) -> output `[s/p, b, out]` (sequence shard).
+
+    Weight shard `[out, in/p]` = columns r*in/p:(r+1)*in/p of the full weight; the bias `[out]`
+    is replicated and added after the reduce-scatter (its gradient is summed over the group).
+    """
+
+    def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype)
+
+    def forward(self, x):
+        if x.shape[0] % self.tp_size:
+            raise ValueError(f"sequence length {x.shape[0]} is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")
+        fn = _GemmRingReduceScatter if self.overlap else _GemmReduceScatter
+        return fn.apply(x, self.weight, self.bias, self.tp_group)
+
+
+def column_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear."""
+    if tp_group is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
+                                overlap=overlap)
+
+
+def row_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear."""
+    if tp_group is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
+                             overlap=overlap)
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_linear", "row_linear",
+           "mark_tensor_parallel", "group_rank"]

@@ -1,0 +1,345 @@
+"""The specification of the TP layers and model, checked against plain PyTorch on full tensors.
+
+Functions named `_on_rank_*` run inside the worker ranks (see conftest.py) and return error
+measures, never verdicts: the assertions run here in the pytest process and print the numbers.
+
+Tolerance policy (README, "Tolerances"): every error is the largest absolute difference divided
+by the largest absolute reference value, so one tolerance fits tensors of any scale.
+- fp32: <= 1e-5 for one layer, <= 1e-4 for the whole model along three AdamW steps. TP
+  changes only the order of additions.
+- bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
+  or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
+  A sharding bug gives errors of order 1 in either dtype.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLinear, Transformer
+from tensor_parallel_toy.comm import ring_all_gather, ring_reduce_scatter
+from tensor_parallel_toy.conftest import BACKENDS
+from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.utils import grad_norm
+
+FP32_TOL = 1e-5  # one layer
+MODEL_FP32_TOL = 1e-4  # two blocks, softmax, and AdamW steps (which amplify round-off in grads)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
+CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
+                     ffn_hidden_size=96, max_seq_len=32)
+SEQ, BATCH = 12, 2
+
+
+def _err(actual, expected):
+    """max |actual - expected| / max |expected|"""
+    diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max()
+    scale = expected.detach().double().abs().max().clamp_min(1e-30).cpu()
+    return (diff / scale).item()
+
+
+def _worst(per_rank):
+    worst = {}
+    for errors in per_rank:
+        for key, value in errors.items():
+            worst[key] = max(worst.get(key, 0.0), value)
+    return worst
+
+
+def _assert_errors(per_rank, tol, what):
+    worst = _worst(per_rank)
+    bad = {k: v for k, v in worst.items() if not v <= tol}
+    assert not bad, (f"{what}: above tolerance {tol:g}: "
+                     + ", ".join(f"{k}={v:.3g} (needs tol >= {v:.3g})" for k, v in bad.items()))
+    return worst
+
+
+def _assert_bf16(per_rank, what):
+    """Each rank returns {key: (tp_error, single_device_error)} against the same reference."""
+    bad = []
+    for errors in per_rank:
+        for key, (tp_err, base_err) in errors.items():
+            if not tp_err <= 2 * base_err + 1e-2:
+                bad.append(f"{key}: TP bf16 error {tp_err:.3g} vs single-device bf16 "
+                           f"{base_err:.3g} (allowed {2 * base_err + 1e-2:.3g})")
+    assert not bad, f"{what}: " + "; ".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+# ----------------------------------------------------------------------------------------------
+def _world():
+    group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _linear_case(in_f, out_f, dtype, bias, seed=1234):
+    """Full X, W, b, dY (values exactly representable in `dtype`) and the fp64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(SEQ, BATCH, in_f, generator=gen).to(dtype)
+    w = (torch.randn(out_f, in_f, generator=gen) / math.sqrt(in_f)).to(dtype)
+    b = torch.randn(out_f, generator=gen).to(dtype)
+    dy = torch.randn(SEQ, BATCH, out_f, generator=gen).to(dtype)
+    ref = {k: t.double().requires_grad_() for k, t in (("x", x), ("w", w), ("b", b))}
+    y = F.linear(ref["x"], ref["w"], ref["b"] if bias else None)
+    y.backward(dy.double())
+    return (x, w, b, dy), {"y": y.detach(), "dx": ref["x"].grad, "dw": ref["w"].grad,
+                           "db": ref["b"].grad}
+
+
+def _run_parallel_linear(kind, overlap, bias, dtype, full, group):
+    """Run one TP layer on this rank's shards of the full tensors; return full-shape-indexed
+    views of the reference that this rank's results must equal, and those results."""
+    x, w, b, dy = full
+    p, r, dev = dist.get_world_size(group), dist.get_rank(group), current_device()
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    layer = cls(w.shape[1], w.shape[0], tp_group=group, bias=bias, overlap=overlap,
+                device=dev, dtype=dtype)
+    seq = lambda t: t.chunk(p, dim=0)[r]  # noqa: E731  this rank's sequence rows
+    feat = lambda t, d=-1: t.chunk(p, dim=d)[r]  # noqa: E731  this rank's feature slice
+    with torch.no_grad():
+        layer.weight.copy_(feat(w, 0) if kind == "column" else feat(w, 1))
+        if bias:
+            layer.bias.copy_(feat(b, 0) if kind == "column" else b)
+    x_in = (seq(x) if kind == "column" else feat(x)).to(dev).requires_grad_()
+    y = layer(x_in)
+    y.backward((feat(dy) if kind == "column" else seq(dy)).to(dev))
+    got = {"y": y, "dx": x_in.grad, "dw": layer.weight.grad}
+    if bias:
+        got["db"] = layer.bias.grad
+    if kind == "column":
+        want = {"y": lambda t: feat(t), "dx": seq, "dw": lambda t: feat(t, 0),
+                "db": lambda t: feat(t, 0)}
+    else:
+        want = {"y": seq, "dx": lambda t: feat(t), "dw": lambda t: feat(t, 1), "db": lambda t: t}
+    return got, want
+
+
+def _on_rank_check_linear(kind, overlap, bias, dtype_name):
+    group, _, _ = _world()
+    dtype = DTYPES[dtype_name]
+    in_f, out_f = 24, 36
+    full, ref = _linear_case(in_f, out_f, dtype, bias)
+    got, want = _run_parallel_linear(kind, overlap, bias, dtype, full, group)
+    if dtype == torch.float32:
+        return {k: _err(v, want[k](ref[k])) for k, v in got.items()}
+    # bf16: the same computation on one device in bf16, against the same fp64 reference.
+    x, w, b, dy = (t.clone() for t in full)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    y = F.linear(x, w, b if bias else None)
+    y.backward(dy)
+    single = {"y": y, "dx": x.grad, "dw": w.grad, "db": b.grad}
+    return {k: (_err(v, want[k](ref[k])), _err(want[k](single[k]), want[k](ref[k])))
+            for k, v in got.items()}
+
+
+def _on_rank_check_linear_on_subgroups(groups):
+    """Layers on TP subgroups of WORLD; ring neighbours must be translated to global ranks."""
+    mine, subgroups = dist.new_subgroups_by_enumeration(groups)
+    errors = {}
+    for kind in ("column", "row"):
+        for overlap in (False, True):
+            full, ref = _linear_case(24, 36, torch.float32, bias=True)
+            got, want = _run_parallel_linear(kind, overlap, True, torch.float32, full, mine)
+            for k, v in got.items():
+                errors[f"{kind}/overlap={overlap}/{k}"] = _err(v, want[k](ref[k]))
+    for g in subgroups:
+        dist.destroy_process_group(g)
+    return errors
+
+
+def _batch(seed=7, seq=SEQ):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)
+    labels = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)  # global labels
+    return ids.to(current_device()), labels.to(current_device())
+
+
+def _on_rank_check_model(overlap, steps):
+    """Baseline vs TP with the same weights: logits, loss, every full gradient, the grad norm
+    and the parameters themselves, along `steps` AdamW steps."""
+    group, _, _ = _world()
+    dev = current_device()
+    base = Transformer(CONFIG, seed=0).to(dev)
+    tp = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=0).to(dev)
+    errors = {"init:" + k: _err(v, base.state_dict()[k]) for k, v in tp.full_state_dict().items()}
+    loaded = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=99).to(dev)
+    loaded.load_full_state_dict(base.state_dict())
+    errors.update({"load:" + k: _err(v, base.state_dict()[k])
+                   for k, v in loaded.full_state_dict().items()})
+    opt_base = torch.optim.AdamW(base.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-2, weight_decay=0.1)
+    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
+    for step in range(steps):
+        ids, labels = _batch(seed=step)
+        logits_base = base(ids)
+        loss_base = F.cross_entropy(logits_base.flatten(0, 1), labels.flatten())
+        loss_base.backward()
+        logits_tp = tp(ids)
+        loss_tp = tp.loss(ids, labels)
+        loss_tp.backward()
+        note("logits", _err(logits_tp, logits_base))
+        note("loss", _err(loss_tp, loss_base))
+        for name, grad in tp.full_grads().items():
+            note("grad:" + name, _err(grad, dict(base.named_parameters())[name].grad))
+        base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
+        note("grad_norm", _err(torch.tensor(grad_norm(tp, group)), base_norm))
+        opt_base.step(), opt_tp.step()
+        opt_base.zero_grad(), opt_tp.zero_grad()
+    for name, value in tp.full_state_dict().items():
+        note("param:" + name, _err(value, base.state_dict()[name]))
+    return errors
+
+
+def _on_rank_check_model_bf16():
+    group, _, _ = _world()
+    dev = current_device()
+    ref = Transformer(CONFIG, seed=0).to(dev)  # fp32 reference
+    base = Transformer(CONFIG, seed=0).to(dev, torch.bfloat16)
+    tp = Transformer(CONFIG, tp_group=group, overlap=True, seed=0).to(dev, torch.bfloat16)
+    ids, labels = _batch()
+    results = {}
+    for model in (ref, base, tp):
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        grads = model.full_grads() if model is tp else {
+            n: p.grad for n, p in model.named_parameters()}
+        results[model] = {"logits": logits, "loss": loss, **{"grad:" + n: g for n, g in grads.items()}}
+    return {k: (_err(results[tp][k], v), _err(results[base][k], v))
+            for k, v in results[ref].items()}
+
+
+def _on_rank_overlap_vs_basic():
+    group, _, _ = _world()
+    out = {}
+    for overlap in (False, True):
+        model = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=3)
+        ids, labels = _batch(seed=11)
+        model.loss(ids, labels).backward()
+        out[overlap] = {"loss": model.loss(ids, labels).detach(), **model.full_grads()}
+    return {k: _err(out[True][k], v) for k, v in out[False].items()}
+
+
+def _on_rank_bad_inputs():
+    """Each bad size must raise one clear ValueError on every rank before any collective."""
+    group, p, _ = _world()
+    messages = {}
+
+    def expect_error(key, fn):
+        try:
+            fn()
+        except ValueError as e:
+            messages[key] = str(e)
+        else:
+            messages[key] = None
+
+    base = dict(vocab_size=96, hidden_size=48, num_layers=1, num_heads=12, ffn_hidden_size=96,
+                max_seq_len=32)
+    # head_dim must be even (rotary), so hidden_size is even: p=2 divides every valid one.
+    bad = {"hidden_size": dict(hidden_size=2 * p + 2, num_heads=1), "num_heads": dict(num_heads=2),
+           "ffn_hidden_size": dict(ffn_hidden_size=98), "vocab_size": dict(vocab_size=97)}
+    for key, change in bad.items():
+        expect_error(key, lambda: Transformer(ModelConfig(**{**base, **change}), tp_group=group))
+    model = Transformer(ModelConfig(**base), tp_group=group)
+    expect_error("sequence", lambda: model(torch.zeros(BATCH, 2 * p + 1, dtype=torch.long)))
+    expect_error("column out_features",
+                 lambda: ColumnParallelLinear(8, 4 * p + 1, tp_group=group))
+    expect_error("row in_features", lambda: RowParallelLinear(4 * p + 1, 8, tp_group=group))
+    dist.barrier()  # every rank got here: nothing was left waiting in a collective
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------
+# pytest side
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dtype, backend):
+    per_rank = pools(tp, backend).run(_on_rank_check_linear, kind, overlap, bias, dtype)
+    what = f"{kind} tp={tp} overlap={overlap} bias={bias} {dtype}"
+    if dtype == "fp32":
+        _assert_errors(per_rank, FP32_TOL, what)
+    else:
+        _assert_bf16(per_rank, what)
+
+
+@pytest.mark.parametrize("groups", [[[0, 2], [1, 3]], [[0, 1], [2, 3]]], ids=["strided", "blocks"])
+def test_parallel_linear_on_tp_subgroups(pools, groups):
+    _assert_errors(pools(4).run(_on_rank_check_linear_on_subgroups, groups), FP32_TOL,
+                   f"subgroups {groups}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap, backend):
+    worst = _assert_errors(pools(tp, backend).run(_on_rank_check_model, overlap, 3), MODEL_FP32_TOL,
+                           f"model tp={tp} overlap={overlap}")
+    grads = [k for k in worst if k.startswith("grad:")]
+    assert len(grads) == len(dict(Transformer(CONFIG).named_parameters())), grads
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_model_bf16_is_as_accurate_as_single_device_bf16(pools, tp):
+    _assert_bf16(pools(tp).run(_on_rank_check_model_bf16), f"model bf16 tp={tp}")
+
+
+def test_overlap_equals_basic_to_fp32_roundoff(pools):
+    _assert_errors(pools(4).run(_on_rank_overlap_vs_basic), 1e-6, "overlap vs basic, tp=4")
+
+
+@pytest.mark.parametrize("tp", [3, 4])
+def test_bad_sizes_raise_one_clear_error_naming_the_values(pools, tp):
+    messages = pools(tp).run(_on_rank_bad_inputs)[0]
+    expected = {"hidden_size": [f"hidden_size={2 * tp + 2}", f"size {tp}"],
+                "num_heads": ["num_heads=2", f"size {tp}"],
+                "ffn_hidden_size": ["ffn_hidden_size=98", f"size {tp}"],
+                "vocab_size": ["vocab_size=97", f"size {tp}"],
+                "sequence": [f"sequence length {2 * tp + 1}", f"size {tp}"],
+                "column out_features": [f"out_features={4 * tp + 1}"],
+                "row in_features": [f"in_features={4 * tp + 1}"]}
+    for key, parts in expected.items():
+        msg = messages[key]
+        assert msg is not None, f"{key}: no error raised"
+        assert "\n" not in msg and all(part in msg for part in parts), f"{key}: {msg!r}"
+
+
+class _RecordingRing:
+    """Stands in for comm.Ring on one rank and records the order of posts, waits and GEMMs."""
+
+    def __init__(self, size, rank, log):
+        self.size, self.rank, self.log = size, rank, log
+
+    def shift(self, send, recv):
+        recv.copy_(send)
+        self.log.append("post")
+        log = self.log
+
+        class Pending:
+            def wait(self):
+                log.append("wait")
+        return Pending()
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_ring_posts_next_transfer_before_each_gemm(p):
+    log = []
+    ring_all_gather(torch.zeros(2, 3), _RecordingRing(p, 1, log),
+                    lambda c, chunk: log.append(f"gemm{c}"))
+    chunks = [(1 - k) % p for k in range(p)]
+    expected = sum((["post", f"gemm{c}", "wait"] for c in chunks[:-1]), []) + [f"gemm{chunks[-1]}"]
+    assert log == expected, log
+
+    log.clear()
+    ring_reduce_scatter(lambda c: log.append(f"gemm{c}") or torch.zeros(2, 3),
+                        _RecordingRing(p, 1, log))
+    chunks = [(1 - 1 - k) % p for k in range(p)]
+    expected = [f"gemm{chunks[0]}"] + sum((["post", f"gemm{c}", "wait"] for c in chunks[1:]), [])
+    assert log == expected, log
