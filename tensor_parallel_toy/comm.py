@@ -92,6 +92,80 @@ def gather_from_tensor_parallel_region(x, group):
     return _GatherFromTensorParallelRegion.apply(x, group)
 
 
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along the sequence (dim 0); backward: all-gather along it.
+
+    `[s, b, h]` partial sums on every rank -> `[s/p, b, h]`, rows r*s/p:(r+1)*s/p summed over
+    the group, on rank r. Used by the vocab-parallel embedding: each rank looks up every token
+    but only finds the ones in its vocabulary shard (zeros elsewhere), so the sum over ranks is
+    the embedding, and each rank keeps only its sequence rows of it. The backward hands every
+    rank the gradient of all `s` rows, because its partial input fed every row's sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group)[0], None
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Megatron's `f`: forward identity; backward all-reduce (sum). Conjugate of `g`.
+
+    A tensor that is the same on every rank and then used differently on each (the input of a
+    classic column-parallel layer, a weight whose rows each rank uses only in part) gets a
+    partial gradient on each rank; the true gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """Megatron's `g`: forward all-reduce (sum); backward identity. Conjugate of `f`.
+
+    Partial results (a classic row-parallel layer's output, one term per rank) become their
+    sum on every rank; the sum's gradient with respect to each term is the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x, group):
+    """`f` (see _CopyToTensorParallelRegion)."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """`g` (see _ReduceFromTensorParallelRegion)."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
 # ----------------------------------------------------------------------------------------------
 # Replicated parameters under sequence parallelism
 # ----------------------------------------------------------------------------------------------
