@@ -64,6 +64,26 @@ def all_gather_dim(x, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+def average_over_group_(tensors, group):
+    """Replace each tensor by its mean over the group, in place, with one all-reduce.
+
+    The tensors are flattened into one buffer first: one collective of N elements costs far
+    less than N/n collectives of n (each has a fixed latency). They must share a dtype.
+    """
+    tensors = list(tensors)
+    p = group_size(group)
+    if p == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= p
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return tensors
+
+
 # ----------------------------------------------------------------------------------------------
 # Region transitions as autograd Functions (each backward is the forward's conjugate)
 # ----------------------------------------------------------------------------------------------
