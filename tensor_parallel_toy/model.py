@@ -138,13 +138,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         q, k, v = self._project(x)
-        s = q.shape[0]
+        s, b = q.shape[:2]
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
         # enable_gqa: query head i reads k/v head i // (q heads / k/v heads) of this rank.
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.grouped)  # [b, nh/p, s, hd]
-        o = o.permute(2, 0, 1, 3).reshape(s, o.shape[0], -1)  # [s, b, h/p]
+        o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, h/p]
         return self.proj(o)  # [s/p, b, h]
 
 
@@ -219,8 +219,9 @@ class Transformer(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
         check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)
-        ids = self._pad(input_ids.t(), 0)  # [s', b]: any valid token; causal attention
-        x = self.embed(ids)  # [s'/p, b, h]    # never lets a real token see it
+        # Pad with any valid token: causal attention never lets a real token see it.
+        ids = self._pad(input_ids.t(), 0)  # [s', b]
+        x = self.embed(ids)  # [s'/p, b, h]
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.head(self.norm(x))  # [s', b, V/p]
@@ -232,9 +233,10 @@ class Transformer(nn.Module):
 
     def loss(self, input_ids, labels, *, ignore_index=-100, label_smoothing=0.0,
              reduction="mean"):
-        """Next-token cross-entropy against labels `[b, s]`, as F.cross_entropy computes it on
-        the full logits (same keywords). "mean" is over the tokens not labelled ignore_index;
-        "none" returns `[b, s]`. Under TP: from the vocab-sharded logits, never gathered."""
+        """Cross-entropy of the logits at each position against labels `[b, s]` (already
+        shifted by the caller), as F.cross_entropy computes it on the full logits, with the
+        same keywords. "mean" is over the tokens not labelled ignore_index; "none" returns
+        `[b, s]`. Under TP: from the vocab-sharded logits, which are never gathered."""
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels of shape {list(labels.shape)} do not match input_ids of "
                              f"shape {list(input_ids.shape)}")

@@ -9,8 +9,7 @@ from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.data_parallel import (average_gradients, data_parallel_loss,
                                                destroy_mesh_2d, init_mesh_2d, split_batch)
-from tensor_parallel_toy.testing import MODEL_FP32_TOL, assert_errors, max_rel_error, \
-    random_batch
+from tensor_parallel_toy.testing import MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch
 from tensor_parallel_toy.utils import grad_norm
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,

@@ -22,7 +22,7 @@ def _as_multi_head(gqa_state, config):
             prefix = name[:-len("q.weight")]
             q = value.view(nh, hd, h)
             kv = gqa_state[prefix + "kv.weight"].view(nkv, 2, hd, h)
-            k, v = kv[:, 0].repeat_interleave(nh // nkv, 0), kv[:, 1].repeat_interleave(nh // nkv, 0)
+            k, v = (kv[:, i].repeat_interleave(nh // nkv, dim=0) for i in (0, 1))  # [nh, hd, h]
             state[prefix + "qkv.weight"] = torch.stack([q, k, v], dim=1).reshape(3 * h, h)
         elif not name.endswith("attn.kv.weight"):
             state[name] = value
@@ -46,8 +46,8 @@ def test_gqa_baseline_equals_multi_head_with_shared_kv_heads(num_kv_heads):
 CASES = [(4, 2, False), (3, 3, True), (2, 4, False), (2, 4, True), (1, 3, False)]
 
 
-@pytest.mark.parametrize("num_kv_heads,tp,overlap", CASES,
-                         ids=[f"kv{kv}-tp{tp}-{'overlap' if o else 'basic'}" for kv, tp, o in CASES])
+@pytest.mark.parametrize("num_kv_heads,tp,overlap", CASES, ids=[
+    f"kv{kv}-tp{tp}-{'overlap' if o else 'basic'}" for kv, tp, o in CASES])
 def test_gqa_model_matches_baseline_with_kv_heads_split_or_replicated(pools, num_kv_heads, tp,
                                                                       overlap):
     config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
