@@ -90,9 +90,10 @@ def average_over_group_(tensors, group):
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     """forward: all-gather along the last dim; backward: keep this rank's slice (split).
 
-    Used for the logits: each rank holds `[s, b, V/p]`, the loss wants `[s, b, V]`. Every rank
-    then computes the same loss from the same full logits, so the incoming gradient is the same
-    everywhere and each rank simply keeps the columns that belong to its shard.
+    Used for the logits that `model(input_ids)` returns: each rank holds `[s, b, V/p]`, the
+    caller gets `[s, b, V]` (the loss never does this: see vocab_parallel.py). Whatever every
+    rank then computes from the same full logits gives the same incoming gradient everywhere,
+    and each rank simply keeps the columns that belong to its shard.
     """
 
     @staticmethod

@@ -91,6 +91,22 @@ def _on_rank_largest_tensor_in_loss(use_full_logits):
     return mode.largest / local.numel()
 
 
+def _on_rank_largest_tensor_in_model_loss(use_full_logits):
+    """Largest tensor created by forward + backward of the model's loss, over b*s*V (the full
+    logits). `use_full_logits`: F.cross_entropy on model(ids), which gathers them."""
+    config = ModelConfig(vocab_size=192, hidden_size=48, num_layers=1, num_heads=12,
+                         ffn_hidden_size=96, max_seq_len=32)
+    model = Transformer(config, tp_group=dist.group.WORLD)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with _LargestTensor() as mode:
+        if use_full_logits:
+            loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        else:
+            loss = model.loss(ids, ids)
+        loss.backward()
+    return mode.largest / ids.numel() / config.vocab_size
+
+
 def _on_rank_embedding():
     """VocabParallelEmbedding against nn.Embedding (fp64): output rows and weight gradient."""
     group, p, r = _world()
@@ -147,6 +163,13 @@ def test_vocab_parallel_cross_entropy_never_materializes_full_logits(pools):
     # The check can fail: gathering the logits first makes a tensor 4x the local logits.
     gathered = pools(4).run(_on_rank_largest_tensor_in_loss, True)
     assert min(gathered) >= 4.0, gathered
+
+
+def test_model_loss_never_materializes_full_logits(pools):
+    ratios = pools(4).run(_on_rank_largest_tensor_in_model_loss, False)
+    assert max(ratios) < 1.0, f"largest tensor / full logits = {ratios} (must be < 1)"
+    gathered = pools(4).run(_on_rank_largest_tensor_in_model_loss, True)
+    assert min(gathered) >= 1.0, gathered  # the check can fail
 
 
 @pytest.mark.parametrize("tp", [2, 4])
