@@ -243,8 +243,11 @@ def _on_rank_bad_inputs():
            "ffn_hidden_size": dict(ffn_hidden_size=98), "vocab_size": dict(vocab_size=97)}
     for key, change in bad.items():
         expect_error(key, lambda: Transformer(ModelConfig(**{**base, **change}), tp_group=group))
+    # A sequence length p does not divide: the model pads it, the sequence-parallel layers refuse.
     model = Transformer(ModelConfig(**base), tp_group=group)
-    expect_error("sequence", lambda: model(torch.zeros(BATCH, 2 * p + 1, dtype=torch.long)))
+    messages["model output"] = list(model(torch.zeros(BATCH, 2 * p + 1, dtype=torch.long)).shape)
+    expect_error("sequence", lambda: RowParallelLinear(4 * p, 8, tp_group=group)(
+        torch.zeros(2 * p + 1, BATCH, 4)))
     expect_error("column out_features",
                  lambda: ColumnParallelLinear(8, 4 * p + 1, tp_group=group))
     expect_error("row in_features", lambda: RowParallelLinear(4 * p + 1, 8, tp_group=group))
@@ -305,6 +308,7 @@ def test_bad_sizes_raise_one_clear_error_naming_the_values(pools, tp):
                 "sequence": [f"sequence length {2 * tp + 1}", f"size {tp}"],
                 "column out_features": [f"out_features={4 * tp + 1}"],
                 "row in_features": [f"in_features={4 * tp + 1}"]}
+    assert messages["model output"] == [BATCH, 2 * tp + 1, 96], messages["model output"]
     for key, parts in expected.items():
         msg = messages[key]
         assert msg is not None, f"{key}: no error raised"
