@@ -8,7 +8,9 @@ def _test(extra_args):
     import pytest
 
     package_dir = os.path.dirname(os.path.abspath(__file__))
-    code = pytest.main([package_dir, "-q", "-rs", "-p", "no:cacheprovider", *extra_args])
+    # Test files named on the command line replace the default: the whole package.
+    targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [package_dir]
+    code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", *extra_args])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("error: no tests were collected: a test run that tests nothing is a failure",
               file=sys.stderr)

@@ -64,15 +64,36 @@ def all_gather_dim(x, dim, group):
     return torch.cat(parts, dim=dim)
 
 
+def average_over_group_(tensors, group):
+    """Replace each tensor by its mean over the group, in place, with one all-reduce.
+
+    The tensors are flattened into one buffer first: one collective of N elements costs far
+    less than N/n collectives of n (each has a fixed latency). They must share a dtype.
+    """
+    tensors = list(tensors)
+    p = group_size(group)
+    if p == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= p
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return tensors
+
+
 # ----------------------------------------------------------------------------------------------
 # Region transitions as autograd Functions (each backward is the forward's conjugate)
 # ----------------------------------------------------------------------------------------------
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
     """forward: all-gather along the last dim; backward: keep this rank's slice (split).
 
-    Used for the logits: each rank holds `[s, b, V/p]`, the loss wants `[s, b, V]`. Every rank
-    then computes the same loss from the same full logits, so the incoming gradient is the same
-    everywhere and each rank simply keeps the columns that belong to its shard.
+    Used for the logits that `model(input_ids)` returns: each rank holds `[s, b, V/p]`, the
+    caller gets `[s, b, V]` (the loss never does this: see vocab_parallel.py). Whatever every
+    rank then computes from the same full logits gives the same incoming gradient everywhere,
+    and each rank simply keeps the columns that belong to its shard.
     """
 
     @staticmethod
@@ -90,6 +111,80 @@ def gather_from_tensor_parallel_region(x, group):
     if group_size(group) == 1:
         return x
     return _GatherFromTensorParallelRegion.apply(x, group)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """forward: reduce-scatter along the sequence (dim 0); backward: all-gather along it.
+
+    `[s, b, h]` partial sums on every rank -> `[s/p, b, h]`, rows r*s/p:(r+1)*s/p summed over
+    the group, on rank r. Used by the vocab-parallel embedding: each rank looks up every token
+    but only finds the ones in its vocabulary shard (zeros elsewhere), so the sum over ranks is
+    the embedding, and each rank keeps only its sequence rows of it. The backward hands every
+    rank the gradient of all `s` rows, because its partial input fed every row's sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group)[0], None
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    if group_size(group) == 1:
+        return x
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Megatron's `f`: forward identity; backward all-reduce (sum). Conjugate of `g`.
+
+    A tensor that is the same on every rank and then used differently on each (the input of a
+    classic column-parallel layer, a weight whose rows each rank uses only in part) gets a
+    partial gradient on each rank; the true gradient is their sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """Megatron's `g`: forward all-reduce (sum); backward identity. Conjugate of `f`.
+
+    Partial results (a classic row-parallel layer's output, one term per rank) become their
+    sum on every rank; the sum's gradient with respect to each term is the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x, group):
+    """`f` (see _CopyToTensorParallelRegion)."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """`g` (see _ReduceFromTensorParallelRegion)."""
+    if group_size(group) == 1:
+        return x
+    return _ReduceFromTensorParallelRegion.apply(x, group)
 
 
 # ----------------------------------------------------------------------------------------------

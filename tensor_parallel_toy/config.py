@@ -5,6 +5,7 @@ before any process group or collective exists, so a bad size is one clear line i
 shape error inside a matmul on rank 3.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -17,13 +18,23 @@ class ModelConfig:
     max_seq_len: int = 128
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    # Key/value heads: None means num_heads (multi-head attention); fewer is grouped-query
+    # attention (GQA), where each group of num_heads/num_kv_heads query heads shares one k/v
+    # head; 1 is multi-query attention (MQA).
+    num_kv_heads: Optional[int] = None
+    # One weight for the token embedding and the LM head (the head's `weight` *is* embed.weight).
+    tie_embeddings: bool = False
 
     def __post_init__(self):
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: set it once here
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                     "ffn_hidden_size", "max_seq_len"):
+                     "ffn_hidden_size", "max_seq_len", "num_kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings={self.tie_embeddings!r} must be a bool")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
@@ -31,6 +42,10 @@ class ModelConfig:
             raise ValueError(
                 f"head_dim={self.head_dim} (hidden_size/num_heads) must be even for rotary "
                 f"embeddings; choose hidden_size and num_heads so that it is")
+        if self.num_heads % self.num_kv_heads:
+            valid = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by "
+                             f"num_kv_heads={self.num_kv_heads}; valid num_kv_heads: {valid}")
 
     @property
     def head_dim(self) -> int:
@@ -47,14 +62,35 @@ class ModelConfig:
                 raise ValueError(
                     f"{name}={value} is not divisible by the tensor-parallel size {tp_size}; "
                     f"valid TP sizes for it: {valid}")
+        # K/V heads are split when there are at least as many as ranks, and replicated (each
+        # rank using one) when there are fewer: either way each rank's query heads must find
+        # all their k/v heads on that rank, which needs one of the two to divide the other.
+        kv = self.num_kv_heads
+        if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+            valid = sorted({d for d in range(1, self.num_heads + 1)
+                            if self.num_heads % d == 0 and (d % kv == 0 or kv % d == 0)})
+            raise ValueError(
+                f"num_kv_heads={kv} does not fit the tensor-parallel size {tp_size}: it must "
+                f"be a multiple of it (k/v heads split) or divide it (k/v heads replicated); "
+                f"valid TP sizes for it: {valid}")
+
+
+def padded_seq_len(seq_len: int, tp_size: int) -> int:
+    """The smallest multiple of `tp_size` that holds `seq_len` tokens.
+
+    Sequence parallelism gives TP rank r the r-th of tp_size equal sequence chunks, so the
+    model pads a shorter sequence at its end; causal attention keeps the padding invisible to
+    the real tokens, and the padded labels are ignored by the loss.
+    """
+    return seq_len + (-seq_len) % tp_size
 
 
 def check_seq_len(seq_len: int, tp_size: int, max_seq_len: int) -> None:
-    """Sequence parallelism gives TP rank r the r-th of tp_size equal sequence chunks."""
-    if seq_len < 1 or seq_len > max_seq_len:
+    """The model takes any length from 1 to max_seq_len (it pads to a multiple of tp_size).
+
+    The sequence-parallel layers themselves still need a multiple of the TP size; they raise
+    their own error when given anything else.
+    """
+    if not 1 <= seq_len <= max_seq_len:
         raise ValueError(f"sequence length {seq_len} must be between 1 and "
                          f"max_seq_len={max_seq_len}")
-    if seq_len % tp_size:
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by the tensor-parallel size {tp_size}; "
-            f"use a multiple of {tp_size} (e.g. {seq_len + (-seq_len) % tp_size})")

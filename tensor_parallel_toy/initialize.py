@@ -10,6 +10,7 @@ Two ways in:
 """
 import os
 import queue
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -25,14 +26,22 @@ class WorkerError(RuntimeError):
     """A worker rank raised, died, or did not answer in time."""
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
 def choose_backend(world_size, device="auto"):
     """NCCL with one GPU per rank when there are enough GPUs, otherwise gloo on CPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of: {', '.join(DEVICES)}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cpu" or (device == "auto" and gpus < world_size):
         return "gloo"
+    if gpus == 0:
+        raise ValueError("device=cuda was requested but no CUDA GPU is available; "
+                         "use device=cpu (or auto)")
     if gpus < world_size:
         raise ValueError(f"device=cuda with {world_size} ranks needs {world_size} GPUs, "
-                         f"found {gpus}")
+                         f"found {gpus}; use at most {gpus} ranks or device=cpu")
     return "nccl"
 
 
@@ -67,7 +76,17 @@ def shutdown():
         dist.destroy_process_group()
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results):
+def _exit_with_parent(parent_pid):
+    """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid):
+    _exit_with_parent(parent_pid)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -96,8 +115,13 @@ class WorkerPool:
     """`world_size` local ranks in one process group, reused across many `run` calls."""
 
     def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
-        if world_size < 1:
-            raise ValueError(f"world size {world_size} must be at least 1")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size {world_size!r} must be a positive integer")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} is not one of: gloo, nccl")
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"backend nccl with {world_size} ranks needs {world_size} GPUs, "
+                             f"found {torch.cuda.device_count()}")
         self.world_size = world_size
         self.backend = backend or choose_backend(world_size)
         self.timeout_s = timeout_s
@@ -111,7 +135,7 @@ class WorkerPool:
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
                         args=(rank, world_size, self._store.port, self.backend, timeout_s,
-                              self._tasks[rank], self._results))
+                              self._tasks[rank], self._results, os.getpid()))
             for rank in range(world_size)]
         for proc in self._procs:
             proc.start()
@@ -135,11 +159,7 @@ class WorkerPool:
             try:
                 rank, status, payload = self._results.get(timeout=0.2)
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    self.close(graceful=False)
-                    rank, code = dead[0]
-                    raise WorkerError(f"rank {rank} died (exit code {code}); stopped the others")
+                self._raise_if_a_rank_died()
                 if time.monotonic() > deadline:
                     self.close(graceful=False)
                     raise WorkerError(f"no answer from ranks "
@@ -147,12 +167,25 @@ class WorkerPool:
                                       f"within {timeout_s:.0f} s; stopped all ranks")
                 continue
             if status == "error":
+                # When a rank dies, its peers soon raise "connection closed": give the launcher
+                # a moment to see the death, so the error names the cause, not a consequence.
+                time.sleep(1.0)
+                self._raise_if_a_rank_died(also=f"rank {rank} then raised: "
+                                                f"{payload.strip().splitlines()[-1]}")
                 # The other ranks may be blocked in a collective this rank will never join.
                 self.close(graceful=False)
                 raise WorkerError(f"rank {rank} raised:\n{payload}")
             assert status == expected, (status, expected)
             got[rank] = payload
         return [got[r] for r in range(self.world_size)]
+
+    def _raise_if_a_rank_died(self, also=""):
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            self.close(graceful=False)
+            rank, code = dead[0]
+            raise WorkerError(f"rank {rank} died (exit code {code}); stopped the other ranks"
+                              + (f"; {also}" if also else ""))
 
     def close(self, graceful=True):
         """Ask the workers to leave cleanly; whoever does not within 10 s is killed.

@@ -1,17 +1,24 @@
 """A pre-norm decoder-only transformer that runs with or without tensor + sequence parallelism.
 
-`Transformer(config)` is the plain single-device baseline (nn.Linear everywhere, no
-collectives). `Transformer(config, tp_group=g)` is the same network split Megatron-style:
+`Transformer(config)` is the plain single-device baseline (nn.Embedding, nn.Linear,
+F.cross_entropy, no collectives). `Transformer(config, tp_group=g)` is the same network split
+Megatron-style:
 
+    ids [s, b] --embedding (vocab rows split; reduce-scatter seq)--> [s/p, b, h]
     [s/p, b, h] --RMSNorm--> --qkv (column: all-gather seq)--> [s, b, 3h/p]
                 --attention over this rank's h/p heads-->          [s, b, h/p]
                 --proj (row: reduce-scatter seq)--> [s/p, b, h] --+ residual
                 --RMSNorm--> --fc1 (column)--> [s, b, f/p] --GELU--> --fc2 (row)--> [s/p, b, h]
+    ... blocks ... --RMSNorm--> --head (column)--> logits [s, b, V/p] --vocab-parallel loss-->
 
 Between the blocks every rank holds its s/p sequence rows of the residual stream (sequence
 parallel region); inside attention and the MLP it holds the full sequence but only its slice of
 heads / ffn features (tensor parallel region). Parameter names are the same in both modes, so a
 baseline state dict maps one to one onto the shards.
+
+A sequence whose length the TP size does not divide is padded at its end (token 0, label
+ignore_index): causal attention hides the padding from every real token, and the loss skips
+it, so logits, loss and gradients are those of the unpadded sequence.
 """
 import math
 import zlib
@@ -20,10 +27,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_gather_dim, gather_from_tensor_parallel_region, group_rank, group_size,
+from .comm import (all_gather_dim, copy_to_tensor_parallel_region,
+                   gather_from_tensor_parallel_region, group_rank, group_size,
                    register_sequence_parallel_grad_hooks)
-from .config import ModelConfig, check_seq_len
-from .parallel_linear import column_linear, mark_tensor_parallel, row_linear
+from .config import ModelConfig, check_seq_len, padded_seq_len
+from .parallel_linear import _AllGatherGemm, _RingAllGatherGemm, column_linear, row_linear
+from .vocab_parallel import (VocabParallelEmbedding, check_loss_arguments,
+                             vocab_parallel_cross_entropy)
 
 
 def mark_sequence_parallel(param):
@@ -58,28 +68,82 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal multi-head attention; under TP each rank owns num_heads/p whole heads.
+def _column_gemm(x, weight, tp_group, overlap):
+    """ColumnParallelLinear's all-gather(seq) + GEMM, on a weight assembled for this call."""
+    fn = _RingAllGatherGemm if overlap else _AllGatherGemm
+    return fn.apply(x, weight, None, tp_group)
 
-    The fused qkv weight is laid out head by head, `[heads, (q, k, v), head_dim]` along its rows,
-    so a contiguous row shard of it holds complete q, k and v of a contiguous group of heads.
+
+class Attention(nn.Module):
+    """Causal attention, multi-head or grouped-query; under TP each rank owns num_heads/p whole
+    query heads and the k/v heads they read.
+
+    Multi-head (num_kv_heads == num_heads): one fused `qkv` weight laid out head by head,
+    `[heads, (q, k, v), head_dim]` along its rows, so a contiguous row shard of it holds
+    complete q, k and v of a contiguous group of heads.
+
+    Grouped-query (GQA; MQA is num_kv_heads=1): a `q` weight `[heads * hd, h]` and a `kv` weight
+    laid out `[kv_heads, (k, v), hd]` along its rows; query head i reads k/v head i // g, with
+    g = num_heads / num_kv_heads. On rank r (query heads r*nh/p:(r+1)*nh/p):
+    - num_kv_heads >= p: `kv` is column-parallel like `q`: the rank's query heads read exactly
+      k/v heads r*nkv/p:(r+1)*nkv/p, which are its row shard.
+    - num_kv_heads < p: `kv` is replicated and the rank uses only k/v head r // (p/nkv). Its
+      gradient on each rank covers only that head and only that rank's query heads, so the
+      weight goes through `f` (backward: all-reduce) and every rank gets the full gradient.
+    Either way the q and k/v rows are concatenated into one weight, so one all-gather of the
+    input serves both GEMMs.
     """
 
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        h = config.hidden_size
-        self.head_dim = config.head_dim
-        self.qkv = column_linear(h, 3 * h, tp_group, overlap)
+        h, hd = config.hidden_size, config.head_dim
+        nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
+        self.head_dim, self.tp_group, self.overlap = hd, tp_group, overlap
+        self.grouped = nkv != nh
+        if not self.grouped:
+            self.qkv = column_linear(h, 3 * h, tp_group, overlap)
+        else:
+            # Under TP only their weights are used (see _project); the baseline calls them.
+            self.q = column_linear(h, nh * hd, tp_group, overlap)
+            if nkv >= p:
+                self.kv = column_linear(h, 2 * nkv * hd, tp_group, overlap)
+                self.kv_rows = None
+            else:
+                self.kv = nn.Linear(h, 2 * nkv * hd, bias=False)  # the same on every rank
+                head = group_rank(tp_group) // (p // nkv)
+                self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
         self.proj = row_linear(h, h, tp_group, overlap)
         self.proj.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
 
+    def _project(self, x):
+        """x -> q [s, b, nh/p, hd], and k, v [s, b, nkv/p (or 1 when replicated), hd]."""
+        hd = self.head_dim
+        if not self.grouped:
+            qkv = self.qkv(x)  # [s, b, 3h/p]
+            s, b, _ = qkv.shape
+            return qkv.view(s, b, -1, 3, hd).unbind(dim=3)  # [s, b, nh/p, hd] each
+        if self.tp_group is None:
+            q, kv = self.q(x), self.kv(x)  # [s, b, nh*hd], [s, b, 2*nkv*hd]
+        else:
+            kv_weight = self.kv.weight
+            if self.kv_rows is not None:
+                start, end = self.kv_rows
+                kv_weight = copy_to_tensor_parallel_region(kv_weight, self.tp_group)[start:end]
+            weight = torch.cat([self.q.weight, kv_weight])  # this rank's q rows, then k/v rows
+            qkv = _column_gemm(x, weight, self.tp_group, self.overlap)  # [s, b, rows]
+            q, kv = qkv.split([self.q.weight.shape[0], kv_weight.shape[0]], dim=-1)
+        s, b, _ = q.shape
+        k, v = kv.view(s, b, -1, 2, hd).unbind(dim=3)  # [s, b, kv heads here, hd] each
+        return q.view(s, b, -1, hd), k, v
+
     def forward(self, x, cos, sin):
-        qkv = self.qkv(x)  # [s, b, 3h/p]
-        s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, -1, 3, self.head_dim).unbind(dim=3)  # [s, b, nh/p, hd] each
+        q, k, v = self._project(x)
+        s, b = q.shape[:2]
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, nh/p, s, hd]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, nh/p, s, hd]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
+        # enable_gqa: query head i reads k/v head i // (q heads / k/v heads) of this rank.
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.grouped)  # [b, nh/p, s, hd]
         o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, h/p]
         return self.proj(o)  # [s/p, b, h]
 
@@ -111,9 +175,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Token embedding -> num_layers blocks -> final RMSNorm -> LM head.
 
-    `model(input_ids)`: input_ids `[b, s]`, the same full batch on every rank -> full logits
-    `[b, s, vocab]` on every rank. `model.loss(input_ids, labels)`: the mean cross-entropy over
-    all b*s tokens, the same scalar on every rank.
+    `model(input_ids)`: input_ids `[b, s]`, the same full batch on every rank, any s up to
+    max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection).
+    `model.loss(input_ids, labels)`: the mean cross-entropy over the tokens whose label is not
+    ignore_index, the same scalar on every rank, from vocab-sharded logits (never gathered).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
@@ -121,35 +186,73 @@ class Transformer(nn.Module):
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any collective can run
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        mark_sequence_parallel(self.embed.weight)  # looked up for this rank's s/p tokens only
+        if tp_group is None:
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                tp_group=tp_group)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.head = column_linear(config.hidden_size, config.vocab_size, tp_group, overlap)
-        cos, sin = rotary_tables(config.max_seq_len, config.head_dim, config.rope_base)
+        if config.tie_embeddings:
+            # One Parameter, two uses: both gradients accumulate into it. Under TP the head
+            # and the embedding split the same vocabulary rows, so the shards line up too.
+            self.head.weight = self.embed.weight
+        # Room for the padded length: a sequence of max_seq_len may be padded past it.
+        cos, sin = rotary_tables(padded_seq_len(config.max_seq_len, self.tp_size),
+                                 config.head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
         register_sequence_parallel_grad_hooks(self, tp_group)
 
     # -- forward ---------------------------------------------------------------------------------
-    def forward(self, input_ids):
-        b, s = input_ids.shape
-        check_seq_len(s, self.tp_size, self.config.max_seq_len)
-        ids = input_ids.t()  # [s, b]
-        if self.tp_size > 1:
-            ids = ids.chunk(self.tp_size, dim=0)[group_rank(self.tp_group)]  # [s/p, b]
-        x = self.embed(ids)  # [s/p, b, h]
+    def _pad(self, t, value):
+        """[s, b] -> [s', b], s' the next multiple of the TP size, `value` in the new rows."""
+        pad = padded_seq_len(t.shape[0], self.tp_size) - t.shape[0]
+        return F.pad(t, (0, 0, 0, pad), value=value) if pad else t
+
+    def _local_logits(self, input_ids):
+        """input_ids [b, s] -> this rank's logits [s', b, V/p] (s' = s padded; the baseline:
+        [s, b, V])."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
+        check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)
+        # Pad with any valid token: causal attention never lets a real token see it.
+        ids = self._pad(input_ids.t(), 0)  # [s', b]
+        x = self.embed(ids)  # [s'/p, b, h]
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
-        logits = self.head(self.norm(x))  # [s, b, V/p]
-        logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s, b, V]
-        return logits.transpose(0, 1)  # [b, s, V]
+        return self.head(self.norm(x))  # [s', b, V/p]
 
-    def loss(self, input_ids, labels):
-        logits = self(input_ids)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    def forward(self, input_ids):
+        logits = self._local_logits(input_ids)  # [s', b, V/p]
+        logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
+        return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
+
+    def loss(self, input_ids, labels, *, ignore_index=-100, label_smoothing=0.0,
+             reduction="mean"):
+        """Cross-entropy of the logits at each position against labels `[b, s]` (already
+        shifted by the caller), as F.cross_entropy computes it on the full logits, with the
+        same keywords. "mean" is over the tokens not labelled ignore_index; "none" returns
+        `[b, s]`. Under TP: from the vocab-sharded logits, which are never gathered."""
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels of shape {list(labels.shape)} do not match input_ids of "
+                             f"shape {list(input_ids.shape)}")
+        if self.tp_group is None:
+            logits = self._local_logits(input_ids)  # [s, b, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.t().flatten(),
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   reduction=reduction)
+            return loss.view(labels.shape[::-1]).t() if reduction == "none" else loss
+        check_loss_arguments(labels, self.config.vocab_size, ignore_index, label_smoothing,
+                             reduction)  # before the forward's collectives
+        labels_t = self._pad(labels.t(), ignore_index)  # [s', b]: padding is not counted
+        loss = vocab_parallel_cross_entropy(
+            self._local_logits(input_ids), labels_t, self.tp_group, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction)
+        return loss[:labels.shape[1]].t() if reduction == "none" else loss
 
     # -- weights ---------------------------------------------------------------------------------
     def _shard(self, full, param):

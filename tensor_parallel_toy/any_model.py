@@ -1,0 +1,193 @@
+"""Tensor parallelism for a model of your own: blocks opt in by naming two sublayers.
+
+    class FeedForward(nn.Module):
+        _tp_col = "net.0"   # dotted path to the column-parallel layer ("net.0": in a Sequential)
+        _tp_row = "net.2"   # dotted path to the row-parallel layer
+
+    apply_tensor_parallel(model, tp_group)   # every such block, converted in place
+
+This is classic Megatron TP, without sequence parallelism: every rank holds the full
+activations between blocks, and inside a block its slice of the hidden features.
+
+    x (full, every rank) --f--> column: x W_r^T + b_r  [..., hidden/p]   (no communication)
+                         --element-wise op (GELU...)-->
+                         --> row: partial x_r V_r^T  [..., out] --g--> sum over ranks, + b
+
+`f` (forward identity, backward all-reduce) and `g` (forward all-reduce, backward identity) are
+conjugates, in comm.py. Whatever runs between the two layers must act on each feature alone
+(an activation, dropout): that is what a block promises by opting in.
+
+Supported layers: nn.Linear (features on the last dim) and 1x1 nn.Conv2d (channels on dim 1,
+`[B, C, H, W]`), the two differing only in that. A convolution with any other kernel, stride,
+padding, dilation or groups is refused: it is not a per-pixel matmul, and silently dropping
+those settings would change the model.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
+                   reduce_from_tensor_parallel_region)
+from .parallel_linear import mark_tensor_parallel
+
+
+class _ClassicParallel(nn.Module):
+    """This rank's shard of a Linear or 1x1 Conv2d; `split_dim` 0 splits the output features
+    (column), 1 the input features (row). The weight keeps the layer's own layout: Linear
+    `[out, in]`, Conv2d `[out, in, 1, 1]`, so the split dims are the same for both."""
+
+    def __init__(self, layer, tp_group, split_dim):
+        super().__init__()
+        p, r = group_size(tp_group), group_rank(tp_group)
+        self.tp_group, self.tp_size, self.split_dim = tp_group, p, split_dim
+        self.is_conv = isinstance(layer, nn.Conv2d)
+        self.full_shape = tuple(layer.weight.shape)
+        with torch.no_grad():
+            weight = layer.weight.chunk(p, dim=split_dim)[r].clone()
+            self.weight = mark_tensor_parallel(nn.Parameter(weight), split_dim)
+            self.bias = None
+            if layer.bias is not None:
+                # Column: each rank adds the bias of its own outputs. Row: the bias is added
+                # once, after the sum, and is the same on every rank.
+                bias = layer.bias.chunk(p)[r] if split_dim == 0 else layer.bias
+                self.bias = mark_tensor_parallel(nn.Parameter(bias.clone()),
+                                                 0 if split_dim == 0 else None)
+
+    def _matmul(self, x, weight, bias):
+        """The layer's own op: a 1x1 convolution is a matmul over the channel dim per pixel."""
+        return F.conv2d(x, weight, bias) if self.is_conv else F.linear(x, weight, bias)
+
+    def extra_repr(self):
+        kind = "Conv2d 1x1" if self.is_conv else "Linear"
+        return f"{kind}, full weight {list(self.full_shape)}, tp_size={self.tp_size}"
+
+
+class ClassicColumnParallel(_ClassicParallel):
+    """Full input -> this rank's output features, no communication in forward.
+
+    Linear: `[..., in]` -> `[..., out/p]`; Conv2d 1x1: `[B, in, H, W]` -> `[B, out/p, H, W]`.
+    Weight shard: output rows r*out/p:(r+1)*out/p; bias `[out/p]`. The input enters through `f`:
+    each rank's input gradient covers only its outputs, so backward sums it over the group.
+    """
+
+    def __init__(self, layer, tp_group):
+        super().__init__(layer, tp_group, split_dim=0)
+
+    def forward(self, x):
+        return self._matmul(copy_to_tensor_parallel_region(x, self.tp_group), self.weight,
+                            self.bias)
+
+
+class ClassicRowParallel(_ClassicParallel):
+    """This rank's input features -> full output on every rank, via `g` (an all-reduce).
+
+    Linear: `[..., in/p]` -> `[..., out]`; Conv2d 1x1: `[B, in/p, H, W]` -> `[B, out, H, W]`.
+    Weight shard: input columns r*in/p:(r+1)*in/p; the bias `[out]` is replicated and added
+    after the sum (adding it on every rank before it would count it p times).
+    """
+
+    def __init__(self, layer, tp_group):
+        super().__init__(layer, tp_group, split_dim=1)
+
+    def forward(self, x):
+        y = reduce_from_tensor_parallel_region(self._matmul(x, self.weight, None), self.tp_group)
+        if self.bias is None:
+            return y
+        return y + (self.bias.view(-1, 1, 1) if self.is_conv else self.bias)  # [C] -> [C, 1, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and checking the declared layers
+# ----------------------------------------------------------------------------------------------
+def _paths(declared):
+    return (declared,) if isinstance(declared, str) else tuple(declared)
+
+
+def _resolve(block, path, where):
+    obj = block
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{where}: no sublayer {path!r} ({part!r} not found in "
+                             f"{type(obj).__name__})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_layer(layer, kind, p, where):
+    """Refuse, with one line, any layer the classic column/row conversion cannot keep exact."""
+    if isinstance(layer, nn.Conv2d):
+        settings = {"kernel_size": (layer.kernel_size, (1, 1)), "stride": (layer.stride, (1, 1)),
+                    "padding": (layer.padding, (0, 0)), "dilation": (layer.dilation, (1, 1)),
+                    "groups": (layer.groups, 1)}
+        for name, (value, plain) in settings.items():
+            if value != plain and not (name == "padding" and value == "valid"):
+                raise ValueError(
+                    f"{where}: Conv2d {name}={value!r} is not supported; tensor parallelism "
+                    f"here needs a plain 1x1 convolution (kernel_size=(1, 1), stride=(1, 1), "
+                    f"padding=0, dilation=(1, 1), groups=1)")
+        n_out, n_in = layer.out_channels, layer.in_channels
+        names = ("out_channels", "in_channels")
+    elif isinstance(layer, nn.Linear):
+        n_out, n_in = layer.out_features, layer.in_features
+        names = ("out_features", "in_features")
+    else:
+        raise ValueError(f"{where}: {type(layer).__name__} cannot be made {kind}-parallel; "
+                         f"supported are nn.Linear and 1x1 nn.Conv2d")
+    name, value = (names[0], n_out) if kind == "column" else (names[1], n_in)
+    if value % p:
+        raise ValueError(f"{where}: {name}={value} is not divisible by the tensor-parallel "
+                         f"size {p}")
+
+
+def apply_tensor_parallel(model, tp_group):
+    """Convert, in place, the `_tp_col` / `_tp_row` layers of every block that declares them.
+
+    Each declaration is one dotted path or a tuple of them (e.g. two column layers, gate and
+    up, feeding one row layer). The whole model is checked before anything changes, and
+    nothing here communicates, so a bad layer is one ValueError on every rank with no rank left
+    in a collective. Every rank must hold the same weights beforehand (same seed or same
+    checkpoint): each keeps its slice of them. Returns the model.
+    """
+    p = group_size(tp_group)
+    plan = []
+    for name, block in list(model.named_modules()):
+        col, row = getattr(type(block), "_tp_col", None), getattr(type(block), "_tp_row", None)
+        if col is None and row is None:
+            continue
+        where = f"{type(block).__name__} at {name!r}" if name else type(block).__name__
+        if col is None or row is None:
+            missing = "_tp_row" if row is None else "_tp_col"
+            raise ValueError(f"{where} declares only one of _tp_col/_tp_row ({missing} is "
+                             f"missing): a column layer needs its row layer to sum its outputs")
+        for kind, paths in (("column", _paths(col)), ("row", _paths(row))):
+            for path in paths:
+                layer = _resolve(block, path, where)
+                _check_layer(layer, kind, p, f"{where}, {kind} layer {path!r}")
+                plan.append((block, path, layer, kind))
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no block declaring _tp_col and _tp_row: "
+                         f"nothing to split")
+    for block, path, layer, kind in plan:
+        parent_path, _, attr = path.rpartition(".")
+        parent = _resolve(block, parent_path, "") if parent_path else block
+        cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
+        setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
+    return model
+
+
+@torch.no_grad()
+def sync_replicated_gradients(model, tp_group):
+    """Average, over the TP group, the gradient of every parameter that is not sharded.
+
+    Under classic TP a replicated parameter (a norm, a layer outside the blocks, a row layer's
+    bias) sees the same inputs and gradients on every rank, so its gradients agree up to the
+    order of floating-point operations. Averaging them at each step keeps the replicas from
+    drifting apart over a long run. Sharded parameters (`tensor_parallel_dim` set) are left
+    alone: each rank's is a different slice. Call after backward, before the optimizer step.
+    """
+    grads = {}
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "tensor_parallel_dim", None) is None:
+            grads.setdefault(param.grad.dtype, []).append(param.grad)
+    for same_dtype in grads.values():
+        average_over_group_(same_dtype, tp_group)

@@ -1,0 +1,160 @@
+"""`apply_tensor_parallel` on models of the user's own: an MLP block on `[B, T, C]` tokens and a
+1x1-conv block on `[B, C, H, W]` images, against the same model unsharded, every gradient."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tensor_parallel_toy.any_model import apply_tensor_parallel, sync_replicated_gradients
+from tensor_parallel_toy.comm import all_gather_dim
+from tensor_parallel_toy.testing import assert_errors, max_rel_error
+
+FP32_TOL = 1e-5
+
+
+class FeedForward(nn.Module):
+    """A user's block: the layers to split live inside a Sequential, hence dotted paths."""
+    _tp_col = "net.0"
+    _tp_row = "net.2"
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return x + self.net(self.norm(x))
+
+
+class GatedFeedForward(nn.Module):
+    """Two column layers (gate and up) feeding one row layer, without biases."""
+    _tp_col = ("gate", "up")
+    _tp_row = "down"
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class ConvMixer(nn.Module):
+    """A vision/weather-style channel MLP made of 1x1 convolutions."""
+    _tp_col = "expand"
+    _tp_row = "project"
+
+    def __init__(self, channels, hidden):
+        super().__init__()
+        self.norm = nn.GroupNorm(1, channels)
+        self.expand = nn.Conv2d(channels, hidden, kernel_size=1)
+        self.project = nn.Conv2d(hidden, channels, kernel_size=1)
+
+    def forward(self, x):
+        return x + self.project(F.gelu(self.expand(self.norm(x))))
+
+
+def _mlp_model():
+    return nn.Sequential(nn.Linear(5, 8), FeedForward(8, 16), GatedFeedForward(8, 12),
+                         nn.Linear(8, 3)), torch.randn(4, 6, 5)  # x [B, T, C]
+
+
+def _conv_model():
+    # The 3x3 stem declares nothing, so it stays whole (replicated) on every rank.
+    return nn.Sequential(nn.Conv2d(3, 8, kernel_size=3, padding=1), ConvMixer(8, 16),
+                         ConvMixer(8, 16), nn.Conv2d(8, 2, kernel_size=1)), \
+        torch.randn(2, 3, 5, 5)  # x [B, C, H, W]
+
+
+MODELS = {"mlp": _mlp_model, "conv": _conv_model}
+
+
+def _on_rank_compare(which):
+    """Output, input gradient, the full gradient of every parameter, and that
+    sync_replicated_gradients leaves the (already equal) replicated gradients unchanged."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)  # the same model and data on every rank
+    base, x = MODELS[which]()
+    tp, _ = MODELS[which]()
+    tp.load_state_dict(base.state_dict())
+    apply_tensor_parallel(tp, group)
+    dy_gen = torch.Generator().manual_seed(1)
+    errors = {}
+    outputs = {}
+    for model in (base, tp):
+        x_in = x.clone().requires_grad_()
+        y = model(x_in)
+        y.backward(torch.randn(y.shape, generator=dy_gen.manual_seed(1)))
+        outputs[model] = (y, x_in.grad)
+    errors["y"] = max_rel_error(outputs[tp][0], outputs[base][0])
+    errors["dx"] = max_rel_error(outputs[tp][1], outputs[base][1])
+    before = {n: p.grad.clone() for n, p in tp.named_parameters()}
+    sync_replicated_gradients(tp, group)
+    base_params = dict(base.named_parameters())
+    sharded = 0
+    for name, param in tp.named_parameters():
+        dim = getattr(param, "tensor_parallel_dim", None)
+        sharded += dim is not None
+        full = param.grad if dim is None else all_gather_dim(param.grad, dim, group)
+        errors["grad:" + name] = max_rel_error(full, base_params[name].grad)
+        errors["sync changed:" + name] = max_rel_error(param.grad, before[name])
+    errors["parameters lost in conversion"] = len(base_params) - len(dict(tp.named_parameters()))
+    errors["no parameter was sharded"] = float(sharded == 0)
+    return errors
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("which", ["mlp", "conv"])
+def test_user_block_after_apply_tensor_parallel_matches_unsharded(pools, which, tp):
+    assert_errors(pools(tp).run(_on_rank_compare, which), FP32_TOL, f"{which} tp={tp}")
+
+
+def _block(col, row=None, col_path="col", row_path="row"):
+    """A model with one block declaring `col_path` / `row_path` (None: not declared)."""
+    attrs = {"_tp_col": col_path} if row_path is None else {"_tp_col": col_path,
+                                                             "_tp_row": row_path}
+    block = type("Block", (nn.Module,), attrs)()
+    block.col, block.row = col, row if row is not None else nn.Linear(8, 8)
+    return nn.Sequential(nn.Linear(8, 8), block)
+
+
+BAD = {
+    "kernel_size": (lambda: _block(nn.Conv2d(8, 8, 3)), "kernel_size=(3, 3)"),
+    "stride": (lambda: _block(nn.Conv2d(8, 8, 1, stride=2)), "stride=(2, 2)"),
+    "padding": (lambda: _block(nn.Conv2d(8, 8, 1, padding=1)), "padding=(1, 1)"),
+    "dilation": (lambda: _block(nn.Conv2d(8, 8, 1, dilation=2)), "dilation=(2, 2)"),
+    "groups": (lambda: _block(nn.Conv2d(8, 8, 1, groups=2)), "groups=2"),
+    "type": (lambda: _block(nn.Embedding(8, 8)), "Embedding cannot be made column-parallel"),
+    "divisible": (lambda: _block(nn.Linear(8, 7)), "out_features=7 is not divisible"),
+    "path": (lambda: _block(nn.Linear(8, 8), row_path="rows.0"), "no sublayer 'rows.0'"),
+    "unpaired": (lambda: _block(nn.Linear(8, 8), row_path=None), "_tp_row is missing"),
+    "nothing declared": (lambda: nn.Sequential(nn.Linear(8, 8)), "no block declaring"),
+}
+
+
+def _on_rank_refusals():
+    """Every bad model raises one ValueError, changes nothing, and leaves no rank waiting."""
+    messages = {}
+    for key, (make, _) in BAD.items():
+        model = make()
+        before = [type(m) for m in model.modules()]
+        try:
+            apply_tensor_parallel(model, dist.group.WORLD)
+            messages[key] = None
+        except ValueError as e:
+            messages[key] = str(e)
+        if [type(m) for m in model.modules()] != before:
+            messages[key] = "the model was changed before the error"
+    dist.barrier()
+    return messages
+
+
+def test_unsupported_layers_are_refused_with_one_clear_error(pools):
+    messages = pools(2).run(_on_rank_refusals)[0]
+    for key, (_, part) in BAD.items():
+        msg = messages[key]
+        assert msg is not None, f"{key}: no error raised"
+        assert "\n" not in msg and part in msg, f"{key}: {msg!r} should mention {part!r}"

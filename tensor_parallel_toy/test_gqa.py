@@ -1,0 +1,79 @@
+"""Grouped-query and multi-query attention: the baseline's grouping, and TP with k/v heads
+split or replicated, against the baseline."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy.testing import assert_matches_baseline, compare_on_world, max_rel_error
+
+# 12 query heads of head_dim 4: divisible by TP 2, 3 and 4.
+BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12, ffn_hidden_size=96,
+            max_seq_len=32)
+
+
+def _as_multi_head(gqa_state, config):
+    """The same network as multi-head attention: each query head gets its own copy of the k/v
+    head it reads (head i reads k/v head i // g), in the fused `[heads, (q, k, v), hd]` rows."""
+    nh, nkv, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+    state = {}
+    for name, value in gqa_state.items():
+        if name.endswith("attn.q.weight"):
+            prefix = name[:-len("q.weight")]
+            q = value.view(nh, hd, h)
+            kv = gqa_state[prefix + "kv.weight"].view(nkv, 2, hd, h)
+            k, v = (kv[:, i].repeat_interleave(nh // nkv, dim=0) for i in (0, 1))  # [nh, hd, h]
+            state[prefix + "qkv.weight"] = torch.stack([q, k, v], dim=1).reshape(3 * h, h)
+        elif not name.endswith("attn.kv.weight"):
+            state[name] = value
+    return state
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_gqa_baseline_equals_multi_head_with_shared_kv_heads(num_kv_heads):
+    gqa_config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
+    gqa = Transformer(gqa_config, seed=5)
+    names = {n for n, _ in gqa.named_parameters()}
+    assert {"layers.0.attn.q.weight", "layers.0.attn.kv.weight"} <= names, sorted(names)
+    mha = Transformer(ModelConfig(**BASE), seed=0)
+    mha.load_full_state_dict(_as_multi_head(gqa.state_dict(), gqa_config))
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    err = max_rel_error(gqa(ids), mha(ids))
+    assert err <= 1e-5, f"GQA vs multi-head with repeated k/v heads: {err:.3g} > 1e-5"
+
+
+# (num_kv_heads, tp): k/v heads split (kv >= tp) or replicated (kv < tp), MQA included.
+CASES = [(4, 2, False), (3, 3, True), (2, 4, False), (2, 4, True), (1, 3, False)]
+
+
+@pytest.mark.parametrize("num_kv_heads,tp,overlap", CASES, ids=[
+    f"kv{kv}-tp{tp}-{'overlap' if o else 'basic'}" for kv, tp, o in CASES])
+def test_gqa_model_matches_baseline_with_kv_heads_split_or_replicated(pools, num_kv_heads, tp,
+                                                                      overlap):
+    config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
+    per_rank = pools(tp).run(compare_on_world, config, overlap=overlap)
+    assert_matches_baseline(per_rank, config, f"kv={num_kv_heads} tp={tp} overlap={overlap}")
+
+
+def _on_rank_bad_kv_heads(num_kv_heads):
+    try:
+        Transformer(ModelConfig(**BASE, num_kv_heads=num_kv_heads), tp_group=dist.group.WORLD)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    dist.barrier()  # every rank got here: nothing was left waiting in a collective
+    return message
+
+
+@pytest.mark.parametrize("num_kv_heads,tp", [(6, 4), (2, 3), (3, 2)])
+def test_kv_heads_that_do_not_fit_the_tp_size_raise_one_clear_error(pools, num_kv_heads, tp):
+    messages = pools(tp).run(_on_rank_bad_kv_heads, num_kv_heads)
+    for msg in messages:
+        assert msg is not None, f"num_kv_heads={num_kv_heads} at tp={tp}: no error raised"
+        assert "\n" not in msg and f"num_kv_heads={num_kv_heads}" in msg \
+            and f"size {tp}" in msg, msg
+
+
+def test_num_heads_not_divisible_by_kv_heads_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"num_heads=12 is not divisible by num_kv_heads=5"):
+        ModelConfig(**BASE, num_kv_heads=5)

@@ -1,0 +1,202 @@
+"""Vocab-parallel embedding and cross-entropy, and tied embeddings, against plain PyTorch.
+
+Worker functions (`_on_rank_*`) return error measures; the assertions run here.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy.testing import (assert_errors, assert_matches_baseline, compare_on_world,
+                                         max_rel_error)
+from tensor_parallel_toy.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+FP32_TOL = 1e-5
+VOCAB, TOKENS = 24, 20  # 24: divisible by 2, 3 and 4
+
+
+def _world():
+    group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _logits_and_labels(ignore_index, seed=0):
+    """Full logits `[TOKENS, VOCAB]` and labels that hit every shard's first and last column
+    and the ignored value."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 4 * torch.randn(TOKENS, VOCAB, generator=gen)
+    labels = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+    labels[:8] = torch.tensor([0, 5, 6, 7, 11, 12, 18, VOCAB - 1])  # shard edges for p = 2, 3, 4
+    labels[8:12] = ignore_index
+    return logits, labels
+
+
+def _on_rank_cross_entropy():
+    """Loss and dlogits of every (ignore_index, label_smoothing, reduction) against
+    F.cross_entropy in fp64 on the full logits."""
+    group, p, r = _world()
+    errors = {}
+    for ignore_index in (-100, 3):  # 3: a real class, ignored anyway
+        for smoothing in (0.0, 0.1):
+            for reduction in ("mean", "sum", "none"):
+                logits, labels = _logits_and_labels(ignore_index)
+                dloss = torch.randn(TOKENS) if reduction == "none" else torch.tensor(1.7)
+                ref = logits.double().requires_grad_()
+                loss_ref = F.cross_entropy(ref, labels, ignore_index=ignore_index,
+                                           label_smoothing=smoothing, reduction=reduction)
+                loss_ref.backward(dloss.double())
+                local = logits.chunk(p, dim=-1)[r].clone().requires_grad_()
+                loss = vocab_parallel_cross_entropy(local, labels, group,
+                                                    ignore_index=ignore_index,
+                                                    label_smoothing=smoothing,
+                                                    reduction=reduction)
+                loss.backward(dloss)
+                key = f"ignore={ignore_index},smoothing={smoothing},{reduction}"
+                errors[key + ":loss"] = max_rel_error(loss, loss_ref)
+                errors[key + ":dlogits"] = max_rel_error(local.grad,
+                                                         ref.grad.chunk(p, dim=-1)[r])
+    return errors
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _on_rank_largest_tensor_in_loss(use_full_logits):
+    """Largest tensor created by forward + backward of the loss, against the local logits'
+    size. `use_full_logits` gathers them first: what the vocab-parallel loss must not do."""
+    from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
+    group, p, r = _world()
+    logits, labels = _logits_and_labels(-100)
+    local = logits.chunk(p, dim=-1)[r].clone().requires_grad_()
+    with _LargestTensor() as mode:
+        if use_full_logits:
+            loss = F.cross_entropy(gather_from_tensor_parallel_region(local, group), labels)
+        else:
+            loss = vocab_parallel_cross_entropy(local, labels, group)
+        loss.backward()
+    return mode.largest / local.numel()
+
+
+def _on_rank_largest_tensor_in_model_loss(use_full_logits):
+    """Largest tensor created by forward + backward of the model's loss, over b*s*V (the full
+    logits). `use_full_logits`: F.cross_entropy on model(ids), which gathers them."""
+    config = ModelConfig(vocab_size=192, hidden_size=48, num_layers=1, num_heads=12,
+                         ffn_hidden_size=96, max_seq_len=32)
+    model = Transformer(config, tp_group=dist.group.WORLD)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with _LargestTensor() as mode:
+        if use_full_logits:
+            loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        else:
+            loss = model.loss(ids, ids)
+        loss.backward()
+    return mode.largest / ids.numel() / config.vocab_size
+
+
+def _on_rank_embedding():
+    """VocabParallelEmbedding against nn.Embedding (fp64): output rows and weight gradient."""
+    group, p, r = _world()
+    seq, batch, dim = 12, 2, 6
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randn(VOCAB, dim, generator=gen)
+    ids = torch.randint(0, VOCAB, (seq, batch), generator=gen)
+    ids[:8, 0] = torch.tensor([0, 5, 6, 7, 11, 12, 18, VOCAB - 1])  # shard edges
+    dy = torch.randn(seq, batch, dim, generator=gen)
+    ref = table.double().requires_grad_()
+    y_ref = F.embedding(ids, ref)
+    y_ref.backward(dy.double())
+    layer = VocabParallelEmbedding(VOCAB, dim, tp_group=group)
+    with torch.no_grad():
+        layer.weight.copy_(table.chunk(p)[r])
+    y = layer(ids)  # [s/p, b, h]
+    y.backward(dy.chunk(p)[r])
+    return {"y": max_rel_error(y, y_ref.chunk(p)[r]),
+            "dweight": max_rel_error(layer.weight.grad, ref.grad.chunk(p)[r])}
+
+
+def _on_rank_bad_inputs():
+    """Each must raise one ValueError on every rank before any collective."""
+    group, p, _ = _world()
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=1, num_heads=4,
+                         ffn_hidden_size=24, max_seq_len=16)
+    model = Transformer(config, tp_group=group)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    cases = {"label": lambda: model.loss(ids, torch.full_like(ids, VOCAB)),
+             "token id": lambda: model(torch.full_like(ids, -1)),
+             "label_smoothing": lambda: model.loss(ids, ids, label_smoothing=1.5),
+             "reduction": lambda: model.loss(ids, ids, reduction="avg"),
+             "labels shape": lambda: model.loss(ids, ids[:, :4]),
+             "sequence length": lambda: model(torch.zeros(2, 17, dtype=torch.long))}
+    messages = {}
+    for key, fn in cases.items():
+        try:
+            fn()
+            messages[key] = None
+        except ValueError as e:
+            messages[key] = str(e)
+    dist.barrier()  # every rank got here: nothing was left waiting in a collective
+    return messages
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_vocab_parallel_cross_entropy_equals_F_cross_entropy(pools, tp):
+    assert_errors(pools(tp).run(_on_rank_cross_entropy), FP32_TOL, f"cross-entropy tp={tp}")
+
+
+def test_vocab_parallel_cross_entropy_never_materializes_full_logits(pools):
+    ratios = pools(4).run(_on_rank_largest_tensor_in_loss, False)
+    assert max(ratios) <= 1.0, f"largest tensor / local logits = {ratios} (must be <= 1)"
+    # The check can fail: gathering the logits first makes a tensor 4x the local logits.
+    gathered = pools(4).run(_on_rank_largest_tensor_in_loss, True)
+    assert min(gathered) >= 4.0, gathered
+
+
+def test_model_loss_never_materializes_full_logits(pools):
+    ratios = pools(4).run(_on_rank_largest_tensor_in_model_loss, False)
+    assert max(ratios) < 1.0, f"largest tensor / full logits = {ratios} (must be < 1)"
+    gathered = pools(4).run(_on_rank_largest_tensor_in_model_loss, True)
+    assert min(gathered) >= 1.0, gathered  # the check can fail
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_embedding_equals_nn_embedding(pools, tp):
+    assert_errors(pools(tp).run(_on_rank_embedding), FP32_TOL, f"embedding tp={tp}")
+
+
+@pytest.mark.parametrize("tp,overlap", [(2, False), (4, True)])
+def test_tied_embeddings_one_weight_gets_both_gradients(pools, tp, overlap):
+    config = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
+                         ffn_hidden_size=96, max_seq_len=32, tie_embeddings=True)
+    names = [n for n, _ in Transformer(config).named_parameters()]
+    assert "embed.weight" in names and "head.weight" not in names, names
+    per_rank = pools(tp).run(compare_on_world, config, overlap=overlap, label_smoothing=0.1)
+    worst = assert_matches_baseline(per_rank, config, f"tied tp={tp} overlap={overlap}")
+    assert "grad:embed.weight" in worst
+
+
+def test_bad_labels_and_ids_raise_one_clear_error_before_any_collective(pools):
+    messages = pools(2).run(_on_rank_bad_inputs)[0]
+    expected = {"label": [f"label {VOCAB}", f"0..{VOCAB - 1}", "ignore_index=-100"],
+                "token id": ["token id -1", f"0..{VOCAB - 1}"],
+                "label_smoothing": ["label_smoothing=1.5"],
+                "reduction": ["reduction='avg'", "'mean'"],
+                "labels shape": ["[2, 4]", "[2, 5]"],
+                "sequence length": ["sequence length 17", "max_seq_len=16"]}
+    for key, parts in expected.items():
+        msg = messages[key]
+        assert msg is not None, f"{key}: no error raised"
+        assert "\n" not in msg and all(part in msg for part in parts), f"{key}: {msg!r}"

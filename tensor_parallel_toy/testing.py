@@ -1,0 +1,107 @@
+"""What the tests share: the error measure, and a TP model checked against its baseline.
+
+Worker-side functions return error measures, never verdicts; `assert_errors` runs in the
+pytest process and prints the numbers. The error is max |actual - expected| / max |expected|,
+so one tolerance fits tensors of any scale (the policy is in test_tp.py and the README).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .initialize import current_device
+from .model import Transformer
+from .utils import grad_norm
+
+MODEL_FP32_TOL = 1e-4  # whole model in fp32, along optimizer steps (as in test_tp.py)
+
+
+def max_rel_error(actual, expected):
+    """max |actual - expected| / max |expected|; shapes must match exactly (no broadcasting,
+    which would hide a wrong sequence length of 1)."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"shape {list(actual.shape)} != expected {list(expected.shape)}")
+    diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max()
+    scale = expected.detach().double().abs().max().clamp_min(1e-30).cpu()
+    return (diff / scale).item()
+
+
+def assert_errors(per_rank, tol, what):
+    """per_rank: one {key: error} dict per rank. Fails listing every key above `tol`."""
+    worst = {}
+    for errors in per_rank:
+        for key, value in errors.items():
+            worst[key] = max(worst.get(key, 0.0), value)
+    bad = {k: v for k, v in worst.items() if not v <= tol}
+    assert not bad, (f"{what}: above tolerance {tol:g}: "
+                     + ", ".join(f"{k}={v:.3g} (needs tol >= {v:.3g})" for k, v in bad.items()))
+    return worst
+
+
+def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):
+    """ids and labels `[batch, seq]` on this rank's device, the same on every rank; a fraction
+    of the labels set to ignore_index."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    labels[torch.rand(batch, seq, generator=gen) < ignore_frac] = ignore_index
+    return ids.to(current_device()), labels.to(current_device())
+
+
+def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, seq=12,
+                          ignore_frac=0.25, label_smoothing=0.0):
+    """Baseline and TP model from the same seed, trained side by side.
+
+    Checked at every step: logits `[b, s, V]`, loss (the baseline's through F.cross_entropy on
+    its own logits), the full gradient of every parameter, the grad norm; after the last step
+    the parameters. Returns {key: worst error}, plus "#grads": how many gradients were compared.
+
+    The optimizer is SGD with momentum, not AdamW: AdamW's first steps divide each gradient by
+    its own magnitude, so an entry near its eps (1e-8) turns fp32 round-off into parameter
+    differences of 1e-3, whatever the parallelism. SGD keeps the check about TP: the steps
+    still catch a replica or a tied weight that is updated differently.
+    """
+    dev = current_device()
+    base = Transformer(config, seed=0).to(dev)
+    tp = Transformer(config, tp_group=tp_group, overlap=overlap, seed=0).to(dev)
+    base_params = dict(base.named_parameters())
+    errors = {}
+    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
+    for name, value in tp.full_state_dict().items():
+        note("init:" + name, max_rel_error(value, base_params[name]))
+    opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+    opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+    for step in range(steps):
+        ids, labels = random_batch(config, batch, seq, seed=step, ignore_frac=ignore_frac)
+        logits_base = base(ids)
+        loss_base = F.cross_entropy(logits_base.flatten(0, 1), labels.flatten(),
+                                    label_smoothing=label_smoothing)
+        loss_base.backward()
+        note("logits", max_rel_error(tp(ids), logits_base))
+        loss_tp = tp.loss(ids, labels, label_smoothing=label_smoothing)
+        loss_tp.backward()
+        note("loss", max_rel_error(loss_tp, loss_base))
+        full_grads = tp.full_grads()
+        errors["#grads"] = len(full_grads)
+        for name, grad in full_grads.items():
+            note("grad:" + name, max_rel_error(grad, base_params[name].grad))
+        base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
+        note("grad_norm", max_rel_error(torch.tensor(grad_norm(tp, tp_group)), base_norm))
+        opt_base.step(), opt_tp.step()
+        opt_base.zero_grad(), opt_tp.zero_grad()
+    for name, value in tp.full_state_dict().items():
+        note("param:" + name, max_rel_error(value, base_params[name]))
+    return errors
+
+
+def compare_on_world(config, **kwargs):
+    """compare_with_baseline with TP over all ranks (a pool's `run` target: the WORLD group
+    exists only inside the ranks)."""
+    return compare_with_baseline(config, dist.group.WORLD, **kwargs)
+
+
+def assert_matches_baseline(per_rank, config, what, tol=MODEL_FP32_TOL):
+    """Every rank within `tol`, and every baseline parameter's gradient was compared."""
+    n_params = len(dict(Transformer(config).named_parameters()))
+    counts = {errors.pop("#grads") for errors in per_rank}
+    assert counts == {n_params}, f"{what}: compared {counts} gradients, the model has {n_params}"
+    return assert_errors(per_rank, tol, what)

@@ -1,0 +1,176 @@
+"""The vocabulary split over the TP ranks: embedding lookup and cross-entropy, neither ever full.
+
+Notation: p = TP size, r = this rank's index in `tp_group`, V = vocabulary size, s = sequence,
+b = batch. Rank r owns vocabulary rows `r*V/p:(r+1)*V/p` (its "shard") of
+
+- the embedding table `[V/p, h]`: `VocabParallelEmbedding`, and
+- the LM head `[V/p, h]` (a ColumnParallelLinear), whose logits `[s, b, V/p]` go straight into
+  `vocab_parallel_cross_entropy`, so the `[s, b, V]` logits, the biggest activation of a small
+  model, never exist on any rank.
+
+With `tie_embeddings` both are one weight; the shards line up because both split the same rows.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
+from .parallel_linear import mark_tensor_parallel
+
+
+def vocab_range(vocab_size, group):
+    """[start, end) of the vocabulary rows this rank owns."""
+    shard = vocab_size // group_size(group)
+    start = group_rank(group) * shard
+    return start, start + shard
+
+
+def _check_ids(ids, vocab_size, what, ignore_index=None):
+    """Out-of-range ids would be masked on every rank and silently become zeros or wrong
+    losses; the ids are the same on every rank, so every rank raises here, before any
+    collective."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if bad.any():
+        value = ids[bad][0].item()
+        extra = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{what} {value} is out of range: valid are 0..{vocab_size - 1}{extra}")
+
+
+def check_loss_arguments(labels, vocab_size, ignore_index, label_smoothing, reduction):
+    """What F.cross_entropy would refuse, refused here with one line, before any collective."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}: valid are 'mean', 'sum', 'none'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0")
+    _check_ids(labels, vocab_size, "label", ignore_index)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over the TP ranks, output sequence-parallel.
+
+    input_ids `[s, b]`, the same on every rank  ->  `[s/p, b, h]`, this rank's sequence rows.
+    Weight shard `[V/p, h]` = rows r*V/p:(r+1)*V/p of the full table (`tensor_parallel_dim=0`).
+
+    Each rank looks up every token in its own shard; a token outside it gets zeros. Exactly one
+    rank finds each token, so the sum over ranks is the full lookup: a reduce-scatter along the
+    sequence both forms that sum and leaves each rank its s/p rows of it, in one collective
+    (backward: all-gather, its conjugate). The weight's gradient needs no reduction: the
+    all-gather gives every rank the gradient of all tokens, and the lookup's backward keeps
+    those of its own vocabulary rows.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group, device=None, dtype=None):
+        super().__init__()
+        p = group_size(tp_group)
+        if num_embeddings % p:
+            raise ValueError(f"num_embeddings={num_embeddings} is not divisible by the "
+                             f"tensor-parallel size {p}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group = tp_group
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
+        self.weight = mark_tensor_parallel(nn.Parameter(
+            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
+        nn.init.normal_(self.weight)  # nn.Embedding's default
+
+    def forward(self, input_ids):
+        _check_ids(input_ids, self.num_embeddings, "token id")
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)  # any valid row
+        x = F.embedding(local_ids, self.weight)  # [s, b, h]
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # not ours: another rank adds it
+        return reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/p, b, h]
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"vocab rows {self.vocab_start}:{self.vocab_end}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits; three small all-reduces, never the
+    full logits.
+
+    logits_local `[N, V/p]` (this rank's vocabulary columns), labels `[N]` (the same on every
+    rank)  ->  loss `[N]` fp32, the same on every rank, 0 where label == ignore_index.
+
+    With z = logits and t = label, for one token:
+        m   = max_v z_v                      all-reduce MAX  (only for exp's range; not
+                                                              differentiated: the loss is
+                                                              shift-invariant)
+        S   = sum_v exp(z_v - m)             all-reduce SUM  } stacked into one all-reduce:
+        z_t - m                              all-reduce SUM  } only the rank owning t has it,
+        sum_v (z_v - m)  (label smoothing)   all-reduce SUM  } the others add 0
+        loss = log S - (z_t - m)                                     (eps = 0)
+             = (1 - eps) (log S - (z_t - m)) + eps (log S - sum_v (z_v - m) / V)
+
+    backward, with softmax q_v = exp(z_v - m) / S kept from forward (this rank's columns only):
+        dz_v = dloss * (q_v - (1 - eps) [v == t] - eps / V)
+    which each rank computes for its own columns with no communication at all.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_local, labels, group, vocab_size, ignore_index, label_smoothing):
+        start, end = vocab_range(vocab_size, group)
+        z = logits_local.float()
+        m = z.max(dim=-1).values  # [N]
+        if group_size(group) > 1:
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        z = z - m.unsqueeze(-1)  # [N, V/p], all <= 0
+        exp = z.exp()
+
+        counted = labels != ignore_index
+        mine = counted & (labels >= start) & (labels < end)  # the target column is on this rank
+        col = (labels - start).masked_fill(~mine, 0)  # [N], any valid column when not mine
+        target = z.gather(-1, col.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        sums = [exp.sum(dim=-1), target]
+        if label_smoothing > 0:
+            sums.append(z.sum(dim=-1))
+        sums = all_reduce_(torch.stack(sums), group)  # [2 or 3, N], one collective
+        log_s, target = sums[0].log(), sums[1]
+
+        loss = log_s - target
+        if label_smoothing > 0:
+            loss = (1 - label_smoothing) * loss + label_smoothing * (log_s - sums[2] / vocab_size)
+        loss = loss.masked_fill(~counted, 0.0)
+
+        softmax = exp.div_(sums[0].unsqueeze(-1))  # [N, V/p], reuses exp's memory
+        ctx.save_for_backward(softmax, col, mine, counted)
+        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.dtype = logits_local.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, col, mine, counted = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax - eps / ctx.vocab_size if eps > 0 else softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, col] -= (1 - eps) * mine.to(grad.dtype)  # the one-hot, on the owning rank
+        grad *= (dloss * counted).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index=-100,
+                                 label_smoothing=0.0, reduction="mean"):
+    """`F.cross_entropy(full_logits, labels, ...)` computed from this rank's logit columns.
+
+    logits_local `[..., V/p]` (this rank's vocabulary shard, as from a ColumnParallelLinear
+    head), labels `[...]` (class ids, the same on every rank). Returns what F.cross_entropy
+    would on the full `[..., V]` logits, in fp32 and the same on every rank: `reduction="mean"`
+    averages over the tokens whose label is not ignore_index (nan if there are none, as in
+    PyTorch), "sum" adds them, "none" gives the `[...]` per-token losses (0 where ignored).
+    """
+    if labels.shape != logits_local.shape[:-1]:
+        raise ValueError(f"labels of shape {list(labels.shape)} do not match logits of shape "
+                         f"{list(logits_local.shape)} (expected {list(logits_local.shape[:-1])})")
+    vocab_size = logits_local.shape[-1] * group_size(tp_group)
+    check_loss_arguments(labels, vocab_size, ignore_index, label_smoothing, reduction)
+    loss = _VocabParallelCrossEntropy.apply(
+        logits_local.reshape(-1, logits_local.shape[-1]), labels.reshape(-1), tp_group,
+        vocab_size, ignore_index, float(label_smoothing))  # [N]
+    if reduction == "none":
+        return loss.view(labels.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (labels != ignore_index).sum()
