@@ -47,7 +47,7 @@ def build_parser():
                 "benchmark the overlap per op; draw the timeline.")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; "
                    "under torchrun the world size)")
-    p.add_argument("--steps", type=int, default=40, help="training steps per mode (default 40)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     p.add_argument("--warmup", type=int, default=5,
                    help="first steps left out of the timing statistics (default 5)")
     p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
@@ -68,8 +68,8 @@ def build_parser():
     p.add_argument("--threads", type=int, default=None, help="torch threads per TP rank "
                    "(default: CPU cores / TP size)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
-    p.add_argument("--bench-iters", type=int, default=30, help="timed rounds per op in the "
-                   "overlap benchmark, 0 to skip it (default 30)")
+    p.add_argument("--bench-iters", type=int, default=60, help="timed rounds per op in the "
+                   "overlap benchmark, 0 to skip it (default 60)")
     p.add_argument("--bench-shape", default=None, metavar="S,B,H,F", help="overlap benchmark "
                    "shapes (default: the model's s, b, h and an f calibrated on this machine)")
     p.add_argument("--timeline-iters", type=int, default=5, help="recordings of the timeline "

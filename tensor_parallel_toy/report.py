@@ -45,6 +45,22 @@ def _ratio(modes, a, b):
     return None
 
 
+def _target(name, measured, met, short_by, reason=None, note=None):
+    return {"name": name, "measured": measured, "met": met, "short_by": short_by,
+            "reason": None if met else reason, "note": note}
+
+
+def _overlap_gain_note(bench):
+    """Where tp_overlap's per-op gain over tp comes from, summed over the four ops:
+    the transport (gloo collectives -> ring P2P) and the overlap itself."""
+    ops = bench["ops"].values()
+    transport = sum(o["t_basic_ms"] - o["t_seq_ms"] for o in ops)
+    overlap = sum(o["t_seq_ms"] - o["t_overlap_ms"] for o in ops)
+    return (f"per-op benchmark, summed over the four ops: replacing gloo's collectives by the "
+            f"ring's P2P transfers (basic -> sequential) saves {transport:.2f} ms, overlapping "
+            f"them with the GEMMs (sequential -> overlapped) saves {overlap:.2f} ms")
+
+
 def evaluate_targets(results):
     """The four benchmark targets: measured value, met or not, shortfall, measured reason."""
     modes, bench, tl = results["modes"], results.get("overlap_benchmark"), results.get("timeline")
@@ -53,53 +69,53 @@ def evaluate_targets(results):
     # 1. forward AG+GEMM hides >= 80 %
     if bench:
         op = bench["ops"]["column_fwd"]
-        met = op["hidden"] >= TARGETS["hidden"]
+        hidden = op["hidden_conservative"]
+        met = hidden >= TARGETS["hidden"]
         why = (f"schedule ceiling {op['schedule_ceiling']:.0%} (comm/GEMM = "
-               f"{op['comm_over_gemm']:.2f}, p={bench['shape']['p']})")
+               f"{op['comm_over_gemm']:.2f} at p={bench['shape']['p']}), measured overlapped / "
+               f"max(comm, GEMM) = {op['overlap_over_max']:.2f}")
         if "cpu_ceiling" in op:
-            why += (f"; CPU ceiling {op['cpu_ceiling']:.0%}: the transfer alone took "
-                    f"{op['t_comm_ms']:.2f} ms of which {op['comm_cpu_ms']:.2f} ms was CPU work "
-                    f"of this rank (gloo copies through the kernel), and with every core running "
-                    f"a rank's GEMM that CPU time comes out of the GEMM")
-        out.append({"name": "forward AG+GEMM hides >= 80% of the hideable time",
-                    "measured": op["hidden"], "met": met,
-                    "short_by": None if met else TARGETS["hidden"] - op["hidden"],
-                    "reason": None if met else why})
+            why += (f"; CPU ceiling {op['cpu_ceiling']:.0%}: a {op['t_comm_ms']:.2f} ms transfer "
+                    f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU (gloo copies the bytes "
+                    f"through the kernel), {op['comm_cpu_posting_thread_ms']:.2f} ms of it in the "
+                    f"posting thread before its GEMM can start and the rest in gloo's thread, "
+                    f"which takes it from the GEMM: both cores already run a rank's GEMM")
+        note = (f"hidden {op['hidden']:.0%} against the measured sequential run "
+                f"({op['t_seq_ms']:.2f} ms, its transfers took {op['t_comm_inside_seq_ms']:.2f} "
+                f"ms vs {op['t_comm_ms']:.2f} alone), {op['hidden_vs_parts']:.0%} against "
+                f"comm + GEMM alone ({op['t_comm_ms'] + op['t_gemm_ms']:.2f} ms); the smaller "
+                f"counts")
+        out.append(_target("forward AG+GEMM hides >= 80% of the hideable time", hidden,
+                           met, None if met else TARGETS["hidden"] - hidden, why, note))
 
     # 2. tp_overlap <= 0.9 x tp
     ratio = _ratio(modes, "tp_overlap", "tp")
     if ratio is not None:
         met = ratio <= TARGETS["overlap_vs_tp"]
         why = None
-        if not met and tl:
+        if tl:
             t, o = tl["summary"]["tp"], tl["summary"]["tp_overlap"]
             blocked = max(r["blocked_in_comm_ms"] for r in t["per_rank"])
-            bound = (t["total_ms"] - blocked) / t["total_ms"]
-            why = (f"in one block's forward + backward (timeline) the tp ranks were blocked in "
-                   f"communication {blocked:.1f} of {t['total_ms']:.1f} ms, so hiding all of it "
-                   f"could give at most {bound:.2f} x tp; tp_overlap took {o['total_ms']:.1f} ms "
-                   f"and was still blocked "
-                   f"{max(r['blocked_in_comm_ms'] for r in o['per_rank']):.1f} ms")
-            if bench:
-                why += "; per-op hidden: " + ", ".join(
-                    f"{k} {v['hidden']:.0%}" for k, v in bench["ops"].items())
-        out.append({"name": "tp_overlap step time <= 0.9 x tp", "measured": ratio, "met": met,
-                    "short_by": None if met else ratio - TARGETS["overlap_vs_tp"],
-                    "reason": why})
+            why = (f"timeline of one block: tp {t['total_ms']:.1f} ms of which "
+                   f"{blocked:.1f} ms blocked in communication (hiding all of it would give "
+                   f"{(t['total_ms'] - blocked) / t['total_ms']:.2f} x tp); tp_overlap "
+                   f"{o['total_ms']:.1f} ms, still blocked "
+                   f"{max(r['blocked_in_comm_ms'] for r in o['per_rank']):.1f} ms and posting "
+                   f"{max(r['posting_ms'] for r in o['per_rank']):.1f} ms")
+        out.append(_target("tp_overlap step time <= 0.9 x tp", ratio, met,
+                           None if met else ratio - TARGETS["overlap_vs_tp"], why,
+                           _overlap_gain_note(bench) if bench else None))
 
     # 3. tp_overlap <= 0.8 x dtensor
     ratio = _ratio(modes, "tp_overlap", "dtensor")
     if ratio is not None:
         met = ratio <= TARGETS["overlap_vs_dtensor"]
-        why = None
-        if not met:
-            tp_vs_dt = _ratio(modes, "tp", "dtensor")
-            why = (f"tp_overlap/dtensor = (tp_overlap/tp) x (tp/dtensor) = "
-                   f"{_ratio(modes, 'tp_overlap', 'tp'):.2f} x {tp_vs_dt:.2f}"
-                   if tp_vs_dt is not None else "tp was not run")
-        out.append({"name": "tp_overlap step time <= 0.8 x dtensor", "measured": ratio,
-                    "met": met, "short_by": None if met else ratio - TARGETS["overlap_vs_dtensor"],
-                    "reason": why})
+        tp_vs_dt = _ratio(modes, "tp", "dtensor")
+        note = None if tp_vs_dt is None else (
+            f"tp_overlap / dtensor = (tp_overlap / tp) x (tp / dtensor) = "
+            f"{_ratio(modes, 'tp_overlap', 'tp'):.2f} x {tp_vs_dt:.2f}")
+        out.append(_target("tp_overlap step time <= 0.8 x dtensor", ratio, met,
+                           None if met else ratio - TARGETS["overlap_vs_dtensor"], note, note))
 
     # 4. per-step loss within 1e-4 relative of the baseline (fp32)
     errors = {m: max(d["loss_rel_err_vs_baseline"]) for m, d in modes.items()
@@ -115,11 +131,9 @@ def evaluate_targets(results):
             first = next(i for i, e in enumerate(errs) if e > LOSS_TOL)
             why = (f"{worst_mode}: {errs[0]:.1e} at step 0, first above 1e-4 at step {first}: "
                    f"fp32 round-off of a different summation order, amplified by training")
-        out.append({"name": "per-step loss of every TP mode within 1e-4 relative of baseline"
-                            + ("" if fp32 else " (fp32 only; this run is not fp32)"),
-                    "measured": worst, "met": met,
-                    "short_by": None if met in (True, None) else worst - LOSS_TOL,
-                    "reason": why})
+        out.append(_target("per-step loss of every TP mode within 1e-4 relative of baseline"
+                           + ("" if fp32 else " (checked in fp32 only; this run is not fp32)"),
+                           worst, met, None if met in (True, None) else worst - LOSS_TOL, why))
     return out
 
 
@@ -164,13 +178,14 @@ def summary_text(results):
                       f"b={sh['b']} h={sh['h']} f={sh['f']} p={sh['p']} {sh['dtype']}"
                       + (" (f calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else ""),
                   f"{'op':<36}{'comm':>7}{'gemm':>7}{'seq':>7}{'overlap':>8}{'basic':>7}"
-                  f"{'hidden':>8}{'ovl/max':>8}{'ceiling: schedule':>19}{'cpu':>6}"]
+                  f"{'hidden':>8}{'vs parts':>9}{'ovl/max':>8}{'ceiling: schedule':>19}"
+                  f"{'cpu':>6}"]
         for row in bench["ops"].values():
             cpu = f"{row['cpu_ceiling']:.0%}" if "cpu_ceiling" in row else "-"
             lines.append(f"{row['label']:<36}{row['t_comm_ms']:>7.2f}{row['t_gemm_ms']:>7.2f}"
                          f"{row['t_seq_ms']:>7.2f}{row['t_overlap_ms']:>8.2f}"
                          f"{row['t_basic_ms']:>7.2f}{row['hidden']:>8.0%}"
-                         f"{row['overlap_over_max']:>8.2f}{row['schedule_ceiling']:>19.0%}"
+                         f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}{row['schedule_ceiling']:>19.0%}"
                          f"{cpu:>6}")
     tl = results.get("timeline")
     if tl:
@@ -188,4 +203,6 @@ def summary_text(results):
         lines.append(line)
         if t["reason"]:
             lines.append(f"           why: {t['reason']}")
+        if t.get("note") and t["note"] != t["reason"]:
+            lines.append(f"           note: {t['note']}")
     return "\n".join(lines) + "\n"

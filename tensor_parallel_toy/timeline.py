@@ -212,7 +212,7 @@ def record(spec):
 
 def summarize(per_rank):
     """Per mode: the block's time (slowest rank), and per rank the time the host was blocked
-    in communication and the time spent in GEMMs."""
+    waiting for communication, spent posting transfers, and spent in GEMMs."""
     result = {}
     for mode in per_rank[0]:
         ranks = []
@@ -221,7 +221,8 @@ def summarize(per_rank):
             blocked = sum(s["end"] - s["start"] for s in spans if s["kind"] == "wait")
             gemm = sum(s["end"] - s["start"] for s in spans if s["kind"] == "gemm")
             comm = sum(s["end"] - s["start"] for s in spans if s["row"] == "comm")
+            posting = sum(s["end"] - s["start"] for s in spans if s["kind"] == "post")
             ranks.append({"total_ms": total, "blocked_in_comm_ms": blocked, "gemm_ms": gemm,
-                          "comm_span_ms": comm})
+                          "posting_ms": posting, "comm_span_ms": comm})
         result[mode] = {"total_ms": max(r["total_ms"] for r in ranks), "per_rank": ranks}
     return result
