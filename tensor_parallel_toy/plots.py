@@ -1,13 +1,12 @@
 """The profile's pictures, from the numbers in results.json. Every PNG is written atomically:
 to a temporary file in the same folder first, then renamed over the final name."""
-import os
-import tempfile
-
 import matplotlib
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+
+from .output import atomic_path  # noqa: E402
 
 STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the baseline
     "baseline": ("#444444", "-", None),
@@ -22,16 +21,11 @@ MiB = 2 ** 20
 
 
 def save(fig, path):
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".png.tmp")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _curves(ax, modes, key, every):

@@ -17,7 +17,6 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 
 import torch
@@ -27,6 +26,7 @@ from . import bench_overlap, plots, report, timeline, train
 from .config import ModelConfig, check_seq_len
 from .data import CORPUS_VOCAB
 from .initialize import WorkerPool, choose_backend, init_from_env, shutdown
+from .output import write_text
 
 PROG = "python -m tensor_parallel_toy profile"
 PHASE_TIMEOUT_S = 3600.0
@@ -290,7 +290,7 @@ def _config(args):
     model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
     run = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
            "lr": args.lr, "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)",
-           "dtype": args.dtype, "seed": args.seed, "modes": args.modes,
+           "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
            "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
     return {"model": model, "run": run}
 
@@ -298,17 +298,6 @@ def _config(args):
 # ----------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------
-def write_atomic(path, text):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_outputs(results, out):
     files = {"results.json": None, "summary.txt": None, "loss.png": None,
              "grad_norm.png": None, "step_time.png": None, "memory.png": None}
@@ -323,10 +312,13 @@ def write_outputs(results, out):
     if "timeline" in results:
         plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"))
         files["timeline.png"] = None
+    if results["config"]["run"].get("trace"):
+        files.update({f"trace_{m}_rank{r}.json": None for m in results["modes"]
+                      if m != "baseline" for r in range(results["meta"]["world_size"])})
     results["files"] = sorted(files)
     summary = report.summary_text(results)
-    write_atomic(os.path.join(out, "summary.txt"), summary)
-    write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+    write_text(os.path.join(out, "summary.txt"), summary)
+    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
     return summary
 
 

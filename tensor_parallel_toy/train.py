@@ -13,7 +13,6 @@ end of the optimizer step with the device synchronized; the step's time is the s
 import functools
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from . import data, dtensor_tp
 from .initialize import current_device
 from .metrics import SavedActivationBytes, now, state_bytes
 from .model import Transformer
+from .output import atomic_path
 from .utils import grad_norm
 
 MODES = ("baseline", "tp", "tp_overlap", "dtensor")
@@ -160,8 +160,5 @@ def _export_trace(mode, model, optimizer, corpus, spec, group, rank, device):
                                                     spec["seq"], spec["seed"]))
     with profile(activities=activities) as prof:
         train_step(mode, model, optimizer, ids, labels, group)
-    path = os.path.join(spec["trace_dir"], f"trace_{mode}_rank{rank}.json")
-    fd, tmp = tempfile.mkstemp(dir=spec["trace_dir"], suffix=".json.tmp")
-    os.close(fd)
-    prof.export_chrome_trace(tmp)
-    os.replace(tmp, path)
+    with atomic_path(os.path.join(spec["trace_dir"], f"trace_{mode}_rank{rank}.json")) as tmp:
+        prof.export_chrome_trace(tmp)
