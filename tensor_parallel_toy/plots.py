@@ -15,7 +15,7 @@ STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the
     "dtensor": ("#2ca02c", "-.", "^"),
 }
 SPAN_COLORS = {"gemm": "#1f77b4", "attention": "#9467bd", "other": "#c8c8c8",
-               "post": "#f4a582", "wait": "#d62728", "ring": "#ff7f0e",
+               "post": "#8c564b", "wait": "#d62728", "ring": "#ff7f0e",
                "all-gather": "#ff7f0e", "reduce-scatter": "#2ca02c"}
 MiB = 2 ** 20
 
@@ -167,10 +167,13 @@ def plot_timeline(spans_by_mode, path, title_extra=""):
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)
-    handles = [Patch(color=c, label=k) for k, c in SPAN_COLORS.items()
-               if k not in ("all-gather",)]
-    handles[-2] = Patch(color=SPAN_COLORS["ring"], label="ring send/recv, all-gather")
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
-               bbox_to_anchor=(0.5, -0.02))
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    labels = {"post": "posting a transfer", "wait": "blocked waiting for one",
+              "ring": "transfer in flight: ring send/recv or all-gather",
+              "reduce-scatter": "reduce-scatter in flight"}
+    handles = [Patch(facecolor=c, alpha=0.55 if k in ("ring", "reduce-scatter") else 1.0,
+                     hatch="///" if k == "wait" else None, label=labels.get(k, k))
+               for k, c in SPAN_COLORS.items() if k != "all-gather"]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8,
+               bbox_to_anchor=(0.5, -0.04))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     save(fig, path)

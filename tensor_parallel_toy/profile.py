@@ -228,6 +228,28 @@ def _say(runner, text):
         print(text, flush=True)
 
 
+class _LoadMeter:
+    """CPU used by other work on this machine during a phase, in cores: the machine's busy
+    time (/proc/stat) minus what our own processes used. Local pool on Linux only."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.enabled = isinstance(runner, _PoolRunner) and _busy_cpu_seconds() is not None
+
+    def __enter__(self):
+        if self.enabled:
+            self.ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds()
+            self.busy, self.wall = _busy_cpu_seconds(), time.perf_counter()
+        self.cores = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled and exc[0] is None:
+            busy, wall = _busy_cpu_seconds(), time.perf_counter()
+            ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds() - self.ours
+            self.cores = max(0.0, (busy - self.busy - ours) / (wall - self.wall))
+
+
 def _profile(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     threads = runner.run(_threads, args.threads)
@@ -238,35 +260,34 @@ def _profile(runner, args):
             "trace_dir": os.path.abspath(args.out) if args.trace else None}
     phases = len(args.modes) + (args.bench_iters > 0) + (args.timeline_iters > 0)
     tokens = args.batch * args.seq
-    modes, k = {}, 0
-    cpu0, busy0, wall0 = runner.run(_cpu_seconds), _busy_cpu_seconds(), time.perf_counter()
-    main0 = _cpu_seconds()
-    for mode in args.modes:
-        k += 1
-        who = "rank 0 alone" if mode == "baseline" else f"{args.tp} ranks"
-        _say(runner, f"[{k}/{phases}] {mode} ({who}): {args.steps} steps")
-        per_rank = runner.run(train.run_mode, mode, spec)
-        modes[mode] = report.combine_mode(per_rank, args.warmup, tokens)
-    external = None
-    busy1 = _busy_cpu_seconds()
-    if busy0 is not None and busy1 is not None and isinstance(runner, _PoolRunner):
-        ours = sum(runner.run(_cpu_seconds)) - sum(cpu0) + _cpu_seconds() - main0
-        external = max(0.0, (busy1 - busy0 - ours) / (time.perf_counter() - wall0))
+    modes, load, k = {}, {}, 0
+    with _LoadMeter(runner) as meter:
+        for mode in args.modes:
+            k += 1
+            who = "rank 0 alone" if mode == "baseline" else f"{args.tp} ranks"
+            _say(runner, f"[{k}/{phases}] {mode} ({who}): {args.steps} steps")
+            modes[mode] = report.combine_mode(runner.run(train.run_mode, mode, spec),
+                                              args.warmup, tokens)
+    load["modes"] = meter.cores
     report.add_baseline_errors(modes)
-    results = {"meta": _meta(args, threads, external), "config": _config(args), "modes": modes}
+    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes}
     if args.bench_iters > 0:
         k += 1
         _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({args.bench_iters} rounds)")
-        results["overlap_benchmark"] = bench_overlap.summarize(
-            runner.run(bench_overlap.run, spec))
-        sh = results["overlap_benchmark"]["shape"]
+        with _LoadMeter(runner) as meter:
+            bench = bench_overlap.summarize(runner.run(bench_overlap.run, spec))
+        load["overlap_benchmark"] = meter.cores
+        results["overlap_benchmark"] = bench
+        sh = bench["shape"]
         _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} f={sh['f']} "
                      f"p={sh['p']}" + (" (f calibrated)" if sh["calibrated"] else ""))
     if args.timeline_iters > 0:
         k += 1
         _say(runner, f"[{k}/{phases}] timeline of one block ({args.timeline_iters} recordings "
                      f"per mode)")
-        per_rank = runner.run(timeline.record, spec)
+        with _LoadMeter(runner) as meter:
+            per_rank = runner.run(timeline.record, spec)
+        load["timeline"] = meter.cores
         spans = {mode: [r[mode] for r in per_rank] for mode in per_rank[0]}
         results["timeline"] = {"iterations": args.timeline_iters,
                                "summary": timeline.summarize(per_rank), "spans": spans}
@@ -274,13 +295,13 @@ def _profile(runner, args):
     return results
 
 
-def _meta(args, threads, external):
+def _meta(args, threads, load):
     return {"torch": torch.__version__, "python": platform.python_version(),
             "device": "cuda" if args.backend == "nccl" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
             "backend": args.backend, "world_size": args.tp, "tp": args.tp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
-            "baseline_threads": os.cpu_count() or 1, "external_load_cores": external,
+            "baseline_threads": os.cpu_count() or 1, "external_load_cores": load,
             "launcher": "torchrun" if _under_torchrun(os.environ) else "WorkerPool",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}

@@ -153,9 +153,10 @@ def summary_text(results):
         f"; batch {run['batch']} x seq {run['seq']} = {run['batch'] * run['seq']} tokens/step, "
         f"{run['steps']} steps ({run['warmup']} warm-up), AdamW lr {run['lr']:g}, {run['dtype']}",
     ]
-    if meta.get("external_load_cores") is not None:
-        lines.append(f"other work on this machine used {meta['external_load_cores']:.2f} cores "
-                     f"on average while the modes trained (from /proc/stat minus our processes)")
+    load = {k: v for k, v in (meta.get("external_load_cores") or {}).items() if v is not None}
+    if load:
+        lines.append("CPU used by other work on this machine (cores, /proc/stat minus our "
+                     "processes): " + ", ".join(f"{k} {v:.2f}" for k, v in load.items()))
     lines += ["", f"{'mode':<11}{'loss 0 -> last':>17}{'max rel dloss':>15}{'grad norm':>11}"
                   f"{'max rel dnorm':>15}{'step ms median [p10-p90]':>27}{'tokens/s':>10}"
                   f"{'MiB/rank: act + param+grad+opt':>33}"]
