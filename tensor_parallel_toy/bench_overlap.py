@@ -103,7 +103,8 @@ class _Op:
             dy_full, dx, dw = new(s, b, h), new(s, b, f // p), new(h, f // p)
             dy_full[r * n:(r + 1) * n] = dy_r
             self.phases = [(lambda: _ring_gather_into(dy_full, ring, n),
-                            lambda: (mm(dy_full, w, dx), mm(dy_full.flatten(0, 1).t(), x.flatten(0, 1), dw)),
+                            lambda: (mm(dy_full, w, dx),
+                                     mm(dy_full.flatten(0, 1).t(), x.flatten(0, 1), dw)),
                             "comm first")]
             ctx = _ctx(x, w, group=group)
             self.overlap = lambda: _GemmRingReduceScatter.backward(ctx, dy_r)

@@ -186,8 +186,8 @@ def summary_text(results):
             lines.append(f"{row['label']:<36}{row['t_comm_ms']:>7.2f}{row['t_gemm_ms']:>7.2f}"
                          f"{row['t_seq_ms']:>7.2f}{row['t_overlap_ms']:>8.2f}"
                          f"{row['t_basic_ms']:>7.2f}{row['hidden']:>8.0%}"
-                         f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}{row['schedule_ceiling']:>19.0%}"
-                         f"{cpu:>6}")
+                         f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}"
+                         f"{row['schedule_ceiling']:>19.0%}{cpu:>6}")
     tl = results.get("timeline")
     if tl:
         parts = [f"{mode} {s['total_ms']:.1f} ms (blocked in comm "
