@@ -310,7 +310,8 @@ def _meta(args, threads, load):
 def _config(args):
     model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
     run = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
-           "lr": args.lr, "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1)",
+           "lr": args.lr, "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
+                        f"linearly over the first {train.LR_WARMUP_STEPS} steps",
            "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
            "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
     return {"model": model, "run": run}

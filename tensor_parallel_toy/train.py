@@ -45,8 +45,17 @@ def build_model(mode, config, group, device, dtype, seed):
     raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
 
 
+LR_WARMUP_STEPS = 10  # Adam's first updates are large: without a ramp the loss spikes early
+
+
 def make_optimizer(model, lr):
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    """AdamW with a linear learning-rate ramp over the first LR_WARMUP_STEPS steps (the
+    scheduler steps inside the optimizer's step, see `train_step`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    optimizer.schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / LR_WARMUP_STEPS))
+    return optimizer
 
 
 def train_step(mode, model, optimizer, ids, labels, group, meter=None):
@@ -66,6 +75,7 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None):
         norm = grad_norm(model, None if mode == "baseline" else group)
     sizes = state_bytes(model, optimizer) if isinstance(meter, SavedActivationBytes) else None
     optimizer.step()
+    optimizer.schedule.step()
     sizes_after = state_bytes(model, optimizer) if sizes is not None else None
     optimizer.zero_grad(set_to_none=True)
     if sizes is not None:  # AdamW creates its state in the first step
