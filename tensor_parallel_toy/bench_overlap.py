@@ -18,11 +18,12 @@ For every op we time, with the same ring transfers and the same GEMMs:
     hidden = (T_seq - T_overlap) / min(T_comm, T_gemm)   1.0: all the hideable time is hidden
     T_overlap / max(T_comm, T_gemm)                      1.0: the physical limit of overlap
 
-T_seq can come out longer than T_comm + T_gemm: a rank that has received its chunk starts its
-GEMM while its peer's send still waits for this rank's gloo thread to drain the socket, and that
-thread now competes with the GEMM. We report how long the transfers took inside the sequential
-run, and `hidden_vs_parts`, the same formula with T_comm + T_gemm for T_seq; the target is
-checked on the smaller of the two, so a slow sequential run can never pass for hiding.
+T_seq can come out longer than T_comm + T_gemm: the first rank done with its exchange starts
+its GEMM while its peer is still exchanging, and on CPU the peer's transfer then slows down (a
+barrier between exchange and GEMM removes the effect; presumably the GEMM holds the core that
+gloo's thread needs to finish the transfer). We report how long the transfers took inside the
+sequential run, and `hidden_vs_parts`, the same formula with T_comm + T_gemm for T_seq; the
+target is checked on the smaller of the two, so a slow sequential run cannot pass for hiding.
 
 Two ceilings explain a shortfall. The *schedule* ceiling: with p ranks the ring has p GEMM
 chunks and p-1 transfers, and a transfer can only hide under the chunk being computed, so the

@@ -49,7 +49,8 @@ def build_parser():
                    "under torchrun the world size)")
     p.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     p.add_argument("--warmup", type=int, default=5,
-                   help="first steps left out of the timing statistics (default 5)")
+                   help="first steps left out of the timing statistics, at least 1 "
+                        "(default 5)")
     p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
@@ -101,7 +102,9 @@ def parse_args(argv, env=os.environ):
     args.tp = 2 if args.tp is None else args.tp
     _check_int("tp", args.tp, 2, 64)
     _check_int("steps", args.steps, 2, 100_000)
-    _check_int("warmup", args.warmup, 0)
+    if args.warmup < 1:
+        raise UsageError(f"--warmup {args.warmup}: must be at least 1 (the first step allocates "
+                         f"and carries the memory measurement, it is never timed)")
     if args.steps - args.warmup < 2:
         raise UsageError(f"--steps {args.steps} with --warmup {args.warmup} leaves "
                          f"{args.steps - args.warmup} timed steps; need at least 2")

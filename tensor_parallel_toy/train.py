@@ -10,6 +10,7 @@ A step is: forward, loss, backward, (dtensor: reduce the partial gradients), gra
 AdamW step, zero_grad. Its time is taken from a barrier (every rank starts together) to the
 end of the optimizer step with the device synchronized; the step's time is the slowest rank's.
 """
+import contextlib
 import functools
 import os
 import sys
@@ -61,8 +62,7 @@ def make_optimizer(model, lr):
 def train_step(mode, model, optimizer, ids, labels, group, meter=None):
     """One optimizer step. Returns (loss, grad norm, state bytes or None). `meter`, if given,
     is entered around forward + backward to count the activations saved for backward."""
-    meter = meter or _NullContext()
-    with meter:
+    with meter or contextlib.nullcontext():
         if mode == "dtensor":
             loss = dtensor_tp.loss_and_backward(model, ids, labels)
         else:
@@ -73,22 +73,12 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None):
         norm = dtensor_tp.grad_norm(model, group)
     else:
         norm = grad_norm(model, None if mode == "baseline" else group)
-    sizes = state_bytes(model, optimizer) if isinstance(meter, SavedActivationBytes) else None
     optimizer.step()
     optimizer.schedule.step()
-    sizes_after = state_bytes(model, optimizer) if sizes is not None else None
+    # After the step (AdamW creates its state in the first one), before the grads are cleared.
+    sizes = state_bytes(model, optimizer) if meter is not None else None
     optimizer.zero_grad(set_to_none=True)
-    if sizes is not None:  # AdamW creates its state in the first step
-        sizes["optimizer_bytes"] = sizes_after["optimizer_bytes"]
     return loss.item(), norm, sizes
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Progress:
