@@ -1,4 +1,5 @@
-"""Command line: `python -m tensor_parallel_toy test [pytest args...]`."""
+"""Command line: `python -m tensor_parallel_toy test [pytest args...]` and
+`python -m tensor_parallel_toy profile [flags]` (see `profile --help`)."""
 import argparse
 import os
 import sys
@@ -25,9 +26,15 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("test", help="run the test suite (spawns its own worker ranks); "
                                 "extra arguments go to pytest")
+    sub.add_parser("profile", add_help=False,
+                   help="train baseline / tp / tp_overlap / dtensor side by side and measure "
+                        "them; `profile --help` lists the flags")
     args, extra = parser.parse_known_args(argv)
     if args.command == "test":
         return _test(extra)
+    if args.command == "profile":
+        from .profile import main as profile_main
+        return profile_main(extra)
     parser.error(f"unknown command {args.command!r}")
 
 

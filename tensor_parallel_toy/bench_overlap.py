@@ -1,0 +1,278 @@
+"""Per-op overlap benchmark: how much communication does each overlapped op really hide?
+
+The four overlapped ops of an MLP's two layers (fc1 = column h -> f, fc2 = row f -> h), per rank:
+
+    column_fwd  AG+GEMM   X_r [s/p, b, h] -> gather X [s, b, h];  Y_r = X W_r^T   [s, b, f/p]
+    row_fwd     GEMM+RS   partial Y = X_r W_r^T [s, b, h];  reduce-scatter -> [s/p, b, h]
+    row_bwd     AG+GEMM   gather dY [s, b, h];  dX_r = dY W_r, dW_r = dY^T X_r
+    column_bwd  AG+GEMM,  gather X for dW_r = dY_r^T X;  dX = dY_r W_r [s, b, h] reduce-
+                GEMM+RS   scattered to [s/p, b, h]
+
+Each op is one or two *phases*, a ring transfer paired with the GEMMs that can run under it.
+For every op we time, with the same ring transfers and the same GEMMs:
+
+    T_comm     the ring transfers alone            T_gemm     the GEMMs alone
+    T_seq      transfers, then GEMMs (no overlap)  T_overlap  the package's ring Function
+    T_basic    the non-overlapped Function (whole collectives), for reference
+
+    hidden = (T_seq - T_overlap) / min(T_comm, T_gemm)   1.0: all the hideable time is hidden
+    T_overlap / max(T_comm, T_gemm)                      1.0: the physical limit of overlap
+
+T_seq can come out longer than T_comm + T_gemm: the first rank done with its exchange starts
+its GEMM while its peer is still exchanging, and on CPU the peer's transfer then slows down (a
+barrier between exchange and GEMM removes the effect; presumably the GEMM holds the core that
+gloo's thread needs to finish the transfer). We report how long the transfers took inside the
+sequential run, and `hidden_vs_parts`, the same formula with T_comm + T_gemm for T_seq; the
+target is checked on the smaller of the two, so a slow sequential run cannot pass for hiding.
+
+Two ceilings explain a shortfall. The *schedule* ceiling: with p ranks the ring has p GEMM
+chunks and p-1 transfers, and a transfer can only hide under the chunk being computed, so the
+best possible time is  sum_k max(T_gemm/p, T_comm/(p-1)) + T_gemm/p. The *CPU* ceiling (gloo):
+a transfer is not free for the host, gloo's threads copy the bytes through the kernel; with
+every core already running a rank's GEMM, that CPU time C_comm can only be taken from the GEMM,
+so at best  hidden <= 1 - C_comm / T_comm.
+"""
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from .comm import Ring, ring_reduce_scatter
+from .initialize import current_device
+from .metrics import synchronize
+from .parallel_linear import (_AllGatherGemm, _GemmReduceScatter, _GemmRingReduceScatter,
+                              _RingAllGatherGemm)
+
+OPS = {
+    "column_fwd": "AG+GEMM, column forward",
+    "row_fwd": "GEMM+RS, row forward",
+    "row_bwd": "AG+GEMM, row backward",
+    "column_bwd": "AG+GEMM & GEMM+RS, column backward",
+}
+VARIANTS = ("comm", "gemm", "seq", "overlap", "basic")
+TARGET_COMM_OVER_GEMM = 0.4  # calibration: comm is 40% of the GEMM (why: see choose_ffn)
+
+
+def _ctx(*saved, group):
+    """A stand-in for autograd's ctx: lets us call a Function's forward/backward directly,
+    timing exactly the package's code without the autograd engine around it."""
+    return SimpleNamespace(saved_tensors=saved, group=group, has_bias=False,
+                           save_for_backward=lambda *t: None)
+
+
+def _ring_gather_into(full, ring, n):
+    """Ring all-gather straight into the slices of `full` ([s, ...], this rank's rows filled),
+    the same p-1 transfers the overlapped Function makes, with nothing to compute under them."""
+    r, p = ring.rank, ring.size
+    for k in range(p - 1):
+        have, get = (r - k) % p, (r - k - 1) % p
+        ring.shift(send=full[have * n:(have + 1) * n], recv=full[get * n:(get + 1) * n]).wait()
+
+
+class _Op:
+    """The tensors of one op on this rank and its five variants as zero-argument callables."""
+
+    def __init__(self, name, s, b, h, f, group, device, dtype):
+        p = dist.get_world_size(group)
+        r = dist.get_rank(group)
+        n = s // p
+        ring = Ring(group, device)
+        self.seq_comm_s = []
+        new = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+        mm = lambda a, b_, out: torch.mm(a.reshape(-1, a.shape[-1]), b_,  # noqa: E731
+                                         out=out.view(-1, out.shape[-1]))
+        if name == "column_fwd":
+            x_r, w = new(n, b, h), new(f // p, h)
+            x_full, y = new(s, b, h), new(s, b, f // p)
+            x_full[r * n:(r + 1) * n] = x_r
+            self.phases = [(lambda: _ring_gather_into(x_full, ring, n),
+                            lambda: mm(x_full, w.t(), y), "comm first")]
+            self.overlap = lambda: _RingAllGatherGemm.forward(_ctx(group=group), x_r, w, None,
+                                                              group)
+            self.basic = lambda: _AllGatherGemm.forward(_ctx(group=group), x_r, w, None, group)
+        elif name == "row_fwd":
+            x, w = new(s, b, f // p), new(h, f // p)
+            part = new(s, b, h)
+            self.phases = [(lambda: ring_reduce_scatter(lambda c: part[c * n:(c + 1) * n], ring),
+                            lambda: mm(x, w.t(), part), "gemm first")]
+            self.overlap = lambda: _GemmRingReduceScatter.forward(_ctx(group=group), x, w, None,
+                                                                  group)
+            self.basic = lambda: _GemmReduceScatter.forward(_ctx(group=group), x, w, None, group)
+        elif name == "row_bwd":
+            x, w, dy_r = new(s, b, f // p), new(h, f // p), new(n, b, h)
+            dy_full, dx, dw = new(s, b, h), new(s, b, f // p), new(h, f // p)
+            dy_full[r * n:(r + 1) * n] = dy_r
+            self.phases = [(lambda: _ring_gather_into(dy_full, ring, n),
+                            lambda: (mm(dy_full, w, dx),
+                                     mm(dy_full.flatten(0, 1).t(), x.flatten(0, 1), dw)),
+                            "comm first")]
+            ctx = _ctx(x, w, group=group)
+            self.overlap = lambda: _GemmRingReduceScatter.backward(ctx, dy_r)
+            self.basic = lambda: _GemmReduceScatter.backward(ctx, dy_r)
+        elif name == "column_bwd":
+            x_r, w, dy = new(n, b, h), new(f // p, h), new(s, b, f // p)
+            x_full, dw, dx_full = new(s, b, h), new(f // p, h), new(s, b, h)
+            x_full[r * n:(r + 1) * n] = x_r
+            self.phases = [
+                (lambda: _ring_gather_into(x_full, ring, n),
+                 lambda: mm(dy.flatten(0, 1).t(), x_full.flatten(0, 1), dw), "comm first"),
+                (lambda: ring_reduce_scatter(lambda c: dx_full[c * n:(c + 1) * n], ring),
+                 lambda: mm(dy, w, dx_full), "gemm first")]
+            ctx = _ctx(x_r, w, group=group)
+            self.overlap = lambda: _RingAllGatherGemm.backward(ctx, dy)
+            self.basic = lambda: _AllGatherGemm.backward(ctx, dy)
+        else:
+            raise ValueError(f"unknown op {name!r}; valid: {', '.join(OPS)}")
+
+    def comm(self):
+        for comm, _, _ in self.phases:
+            comm()
+
+    def gemm(self):
+        for _, gemm, _ in self.phases:
+            gemm()
+
+    def seq(self):
+        """No overlap: a gather phase must receive before it computes, a reduce-scatter
+        phase must compute the partial sums before it sends them. Records how long the
+        transfers took in here (`self.seq_comm_s`), to compare with the transfers alone."""
+        in_comm = 0.0
+        for comm, gemm, order in self.phases:
+            if order == "gemm first":
+                gemm()
+            start = time.perf_counter()
+            comm()
+            in_comm += time.perf_counter() - start
+            if order == "comm first":
+                gemm()
+        self.seq_comm_s.append(in_comm)
+
+
+def _timed(fn, device, group):
+    """(wall, CPU of the whole process, CPU of this thread) seconds of one call of `fn`.
+    Process minus thread CPU is what gloo's own threads spent."""
+    dist.barrier(group=group)  # every rank starts the op together
+    c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
+
+
+def _median_max(fn, device, group, iters):
+    """Median over `iters` runs of the slowest rank's time."""
+    times = torch.tensor([_timed(fn, device, group)[0] for _ in range(iters)], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return times.median().item()
+
+
+def choose_ffn(s, b, h, group, device, dtype, ratio=TARGET_COMM_OVER_GEMM):
+    """The f that makes the column forward's GEMM take T_comm / ratio on this machine.
+
+    Why 0.4 and not 1.0: with p ranks a transfer can only hide under one chunk's GEMM, 1/p of
+    it, so at p=2 a transfer longer than half the GEMM cannot be hidden by this schedule.
+    0.4 keeps comm and GEMM of the same order while leaving room for the schedule to work.
+    """
+    p = dist.get_world_size(group)
+    f = 4 * h
+    for _ in range(2):  # GEMM time is close to linear in f: two refinements are enough
+        op = _Op("column_fwd", s, b, h, f, group, device, dtype)
+        for _ in range(3):
+            op.comm(), op.gemm()
+        t_comm = _median_max(op.comm, device, group, 9)
+        t_gemm = _median_max(op.gemm, device, group, 9)
+        f = int(round(f * (t_comm / ratio) / t_gemm / (8 * p))) * 8 * p
+        f = min(max(f, 8 * p), 64 * h)
+    return f
+
+
+def run(spec):
+    """On every rank: calibrate (unless spec["bench_shape"] is given) and time every op.
+    Returns this rank's raw per-iteration times (the slowest rank's are taken later)."""
+    group = dist.group.WORLD
+    device = current_device()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    torch.manual_seed(1234)
+    if spec.get("bench_shape"):
+        s, b, h, f = spec["bench_shape"]
+        calibrated = False
+    else:
+        s, b, h = spec["seq"], spec["batch"], spec["config"].hidden_size
+        f = choose_ffn(s, b, h, group, device, dtype)
+        calibrated = True
+    raw = {}
+    for name in OPS:
+        op = _Op(name, s, b, h, f, group, device, dtype)
+        fns = {v: getattr(op, v) for v in VARIANTS}
+        for _ in range(spec.get("bench_warmup", 3)):
+            for fn in fns.values():
+                fn()
+        times = {v: [] for v in VARIANTS}
+        cpu, cpu_main = [], []
+        for _ in range(spec.get("bench_iters", 30)):
+            for variant, fn in fns.items():  # interleaved: slow drifts in load hit all alike
+                wall, proc, main = _timed(fn, device, group)
+                times[variant].append(wall)
+                if variant == "comm":
+                    cpu.append(proc)
+                    cpu_main.append(main)
+        phases = []
+        for comm, gemm, _ in op.phases:  # per-phase alone times, for the schedule ceiling
+            phases.append({"comm": [_timed(comm, device, group)[0] for _ in range(9)],
+                           "gemm": [_timed(gemm, device, group)[0] for _ in range(9)]})
+        raw[name] = {"times": times, "comm_cpu": cpu, "comm_cpu_main": cpu_main,
+                     "seq_comm": op.seq_comm_s[-len(times["seq"]):], "phases": phases}
+    p = dist.get_world_size(group)
+    return {"shape": {"s": s, "b": b, "h": h, "f": f, "p": p, "calibrated": calibrated,
+                      "dtype": spec["dtype"]},
+            "raw": raw, "device": device.type}
+
+
+def _median(values):
+    return float(torch.tensor(values, dtype=torch.float64).median())
+
+
+def _schedule_time(t_comm, t_gemm, p):
+    """Best time of a p-chunk ring pipeline: p-1 transfers, each hidden under one chunk."""
+    return (p - 1) * max(t_gemm / p, t_comm / (p - 1)) + t_gemm / p
+
+
+def summarize(per_rank):
+    """Combine the ranks' raw times (slowest rank per iteration) into the reported numbers."""
+    first = per_rank[0]
+    p = first["shape"]["p"]
+    out = {"shape": first["shape"], "ops": {}}
+    for name, label in OPS.items():
+        slowest = {v: [max(r["raw"][name]["times"][v][i] for r in per_rank)
+                       for i in range(len(first["raw"][name]["times"][v]))] for v in VARIANTS}
+        t = {v: _median(slowest[v]) for v in VARIANTS}
+        c_comm = max(_median(r["raw"][name]["comm_cpu"]) for r in per_rank)
+        c_main = max(_median(r["raw"][name]["comm_cpu_main"]) for r in per_rank)
+        # The schedule ceiling from the per-phase times alone (numerator and denominator from
+        # the same measurements, so it lies in [0, 1]).
+        phases = [(max(_median(ph["comm"]) for ph in ranks),
+                   max(_median(ph["gemm"]) for ph in ranks))
+                  for ranks in zip(*(r["raw"][name]["phases"] for r in per_rank))]
+        saved = sum(c + g - _schedule_time(c, g, p) for c, g in phases)
+        ceiling = saved / min(sum(c for c, _ in phases), sum(g for _, g in phases))
+        hideable = min(t["comm"], t["gemm"])
+        seq_comm = _median([max(r["raw"][name]["seq_comm"][i] for r in per_rank)
+                            for i in range(len(first["raw"][name]["seq_comm"]))])
+        hidden_vs_parts = (t["comm"] + t["gemm"] - t["overlap"]) / hideable
+        hidden = (t["seq"] - t["overlap"]) / hideable
+        row = {"label": label, **{f"t_{v}_ms": t[v] * 1e3 for v in VARIANTS},
+               "t_comm_inside_seq_ms": seq_comm * 1e3,
+               "hidden": hidden,
+               "hidden_vs_parts": hidden_vs_parts,
+               # A sequential run slower than its parts (its transfers wait for a peer that
+               # is already computing) must not count as hiding: the target uses this one.
+               "hidden_conservative": min(hidden, hidden_vs_parts),
+               "overlap_over_max": t["overlap"] / max(t["comm"], t["gemm"]),
+               "comm_over_gemm": t["comm"] / t["gemm"],
+               "schedule_ceiling": ceiling}
+        if first["device"] == "cpu":
+            row["comm_cpu_ms"] = c_comm * 1e3
+            row["comm_cpu_posting_thread_ms"] = c_main * 1e3
+            row["cpu_ceiling"] = max(0.0, 1 - c_comm / t["comm"])
+        out["ops"][name] = row
+    return out

@@ -1,0 +1,111 @@
+"""What the profile measures on each rank: memory, synchronized timing, and their summaries.
+
+Memory on CPU has no allocator statistics, so we count what a training step must hold:
+- activations: every tensor autograd saves for backward, seen through
+  `torch.autograd.graph.saved_tensors_hooks`, counted once per storage (a view and its base,
+  or a tensor saved by two ops, are one allocation) and excluding the parameters themselves;
+- parameters, gradients and optimizer state: the bytes of this rank's local tensors.
+On CUDA we report the allocator's `max_memory_allocated` as well.
+"""
+import statistics
+import time
+
+import torch
+
+
+def local_tensor(t):
+    """The tensor this rank actually stores: a DTensor's local shard, the result inside an
+    in-flight collective's wrapper (`AsyncCollectiveTensor.elem`), else `t` itself."""
+    while True:
+        if hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        elif type(t).__name__ == "AsyncCollectiveTensor":
+            t = t.elem  # not .wait(): measuring must not add a synchronization
+        else:
+            return t
+
+
+def _storage_key(t):
+    t = local_tensor(t)
+    return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+
+class SavedActivationBytes:
+    """Context manager: bytes of the tensors saved for backward inside it, deduplicated by
+    storage, parameters excluded. Read `.bytes` (total) and `.count` (storages) afterwards."""
+
+    def __init__(self, model):
+        self._params = {_storage_key(p) for p in model.parameters()}
+        self._seen = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        key = _storage_key(tensor)
+        if key not in self._params and key not in self._seen:
+            self._seen[key] = local_tensor(tensor).untyped_storage().nbytes()
+        return tensor  # keep the tensor itself: measuring must not change what is stored
+
+    @staticmethod
+    def _unpack(tensor):
+        return tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self._seen.values())
+
+    @property
+    def count(self):
+        return len(self._seen)
+
+
+def _nbytes(tensors):
+    total = 0
+    for t in tensors:
+        if t is not None:
+            t = local_tensor(t)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def state_bytes(model, optimizer):
+    """This rank's parameter, gradient and optimizer-state bytes (call before zero_grad)."""
+    params = list(model.parameters())
+    opt_tensors = [v for state in optimizer.state.values() for v in state.values()
+                   if torch.is_tensor(v)]
+    return {"param_bytes": _nbytes(params), "grad_bytes": _nbytes(p.grad for p in params),
+            "optimizer_bytes": _nbytes(opt_tensors)}
+
+
+def synchronize(device):
+    """Wait for the device: a CUDA step has not finished when the host gets past it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device):
+    synchronize(device)
+    return time.perf_counter()
+
+
+def summarize(values):
+    """Median and spread of a list of timings (seconds)."""
+    values = sorted(values)
+    if not values:
+        return {}
+
+    def pct(q):  # linear interpolation between the closest ranks
+        pos = q * (len(values) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(values) - 1)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    return {"median": statistics.median(values), "p10": pct(0.1), "p25": pct(0.25),
+            "p75": pct(0.75), "p90": pct(0.9), "min": values[0], "max": values[-1],
+            "n": len(values)}

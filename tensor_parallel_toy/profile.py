@@ -1,0 +1,390 @@
+"""`python -m tensor_parallel_toy profile`: train baseline / tp / tp_overlap / dtensor side by
+side, benchmark the overlap op by op, record a timeline, and write it all to a results folder.
+
+Every flag is checked before any process starts: a bad value is one line on stderr and exit
+status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
+each rank runs the same phases and rank 0 gathers the numbers and writes the files.
+
+    results/results.json   every number, the config, versions, device, backend, world size
+    results/summary.txt    the table printed at the end, with the targets
+    results/loss.png, grad_norm.png, step_time.png, memory.png, overlap.png, timeline.png
+    results/trace_<mode>_rank<r>.json   with --trace: torch.profiler Chrome traces (Perfetto)
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import bench_overlap, dtensor_tp, plots, report, timeline, train
+from .config import ModelConfig, check_seq_len
+from .data import CORPUS_VOCAB
+from .initialize import WorkerPool, choose_backend, init_from_env, shutdown
+from .output import write_text
+
+PROG = "python -m tensor_parallel_toy profile"
+PHASE_TIMEOUT_S = 3600.0
+
+
+class UsageError(Exception):
+    """A bad flag: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    p = _Parser(prog=PROG, description="Train the baseline, hand-written TP (with and without "
+                "overlap) and PyTorch DTensor TP side by side on the same data and weights; "
+                "benchmark the overlap per op; draw the timeline.")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; "
+                   "under torchrun the world size)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="first steps left out of the timing statistics, at least 1 "
+                        "(default 5)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for grouped-query "
+                   "attention (default: --heads, i.e. multi-head)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="one weight for the embedding and the LM head (not with dtensor)")
+    p.add_argument("--ffn", type=int, default=1024, help="MLP hidden size (default 1024)")
+    p.add_argument("--vocab", type=int, default=256, help=f"vocabulary size, at least "
+                   f"{CORPUS_VOCAB} for the ASCII corpus (default 256)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default fp32)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: one GPU "
+                   "per rank when there are enough, else CPU)")
+    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--modes", default=",".join(train.MODES),
+                   help=f"comma-separated subset of {','.join(train.MODES)} (default all)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per TP rank "
+                   "(default: CPU cores / TP size)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    p.add_argument("--bench-iters", type=int, default=60, help="timed rounds per op in the "
+                   "overlap benchmark, 0 to skip it (default 60)")
+    p.add_argument("--bench-shape", default=None, metavar="S,B,H,F", help="overlap benchmark "
+                   "shapes (default: the model's s, b, h and an f calibrated on this machine)")
+    p.add_argument("--timeline-iters", type=int, default=5, help="recordings of the timeline "
+                   "per mode, the median one is drawn; 0 to skip (default 5)")
+    p.add_argument("--trace", action="store_true",
+                   help="also export a torch.profiler Chrome trace of one step per TP mode")
+    return p
+
+
+def _under_torchrun(env):
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def _check_int(name, value, low, high=None):
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise UsageError(f"--{name} {value}: must be {bound}")
+
+
+def parse_args(argv, env=os.environ):
+    """Parse and check every flag; raise UsageError (one line) before anything starts."""
+    args = build_parser().parse_args(argv)
+    if _under_torchrun(env):
+        world = int(env["WORLD_SIZE"])
+        if args.tp is not None and args.tp != world:
+            raise UsageError(f"--tp {args.tp} does not match torchrun's world size {world}; "
+                             f"the TP group is the whole world here")
+        args.tp = world
+    args.tp = 2 if args.tp is None else args.tp
+    _check_int("tp", args.tp, 2, 64)
+    _check_int("steps", args.steps, 2, 100_000)
+    if args.warmup < 1:
+        raise UsageError(f"--warmup {args.warmup}: must be at least 1 (the first step allocates "
+                         f"and carries the memory measurement, it is never timed)")
+    if args.steps - args.warmup < 2:
+        raise UsageError(f"--steps {args.steps} with --warmup {args.warmup} leaves "
+                         f"{args.steps - args.warmup} timed steps; need at least 2")
+    for name in ("batch", "seq", "hidden", "layers", "heads", "ffn", "vocab"):
+        _check_int(name, getattr(args, name), 1)
+    _check_int("seed", args.seed, 0)
+    _check_int("bench-iters", args.bench_iters, 0)
+    _check_int("timeline-iters", args.timeline_iters, 0)
+    if not args.lr > 0:
+        raise UsageError(f"--lr {args.lr}: must be a positive number")
+    if args.dtype not in train.DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r}: valid: {', '.join(train.DTYPES)}")
+    if args.vocab < CORPUS_VOCAB:
+        raise UsageError(f"--vocab {args.vocab}: the corpus is ASCII text, token ids go up to "
+                         f"{CORPUS_VOCAB - 1}; use --vocab {CORPUS_VOCAB} or more")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in train.MODES]
+    if not modes or bad:
+        raise UsageError(f"--modes {args.modes!r}: valid modes are {', '.join(train.MODES)}")
+    args.modes = [m for m in train.MODES if m in modes]  # always in the canonical order
+    try:
+        args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                  num_layers=args.layers, num_heads=args.heads,
+                                  ffn_hidden_size=args.ffn, max_seq_len=args.seq,
+                                  num_kv_heads=args.kv_heads,
+                                  tie_embeddings=args.tie_embeddings)
+        args.config.check_tp_size(args.tp)
+        check_seq_len(args.seq, args.tp, args.seq)
+        if "dtensor" in args.modes:
+            dtensor_tp.check_plan(args.config, args.tp)
+            if args.seq % args.tp:
+                raise ValueError(
+                    f"sequence length {args.seq} is not divisible by the TP size {args.tp}: the "
+                    f"dtensor mode needs equal sequence shards (the hand-written modes pad); "
+                    f"use --seq {args.seq + (-args.seq) % args.tp} or leave dtensor out of --modes")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
+    args.backend = _check_device(args.device, args.tp, env)
+    if args.threads is not None:
+        _check_int("threads", args.threads, 1, 1024)
+    _check_out(args.out)
+    return args
+
+
+def _parse_bench_shape(text, tp):
+    if text is None:
+        return None
+    try:
+        shape = [int(v) for v in text.split(",")]
+    except ValueError:
+        shape = []
+    if len(shape) != 4 or min(shape) < 1:
+        raise UsageError(f"--bench-shape {text!r}: give four positive integers S,B,H,F")
+    s, _, _, f = shape
+    if s % tp or f % tp:
+        raise UsageError(f"--bench-shape {text!r}: S={s} and F={f} must be divisible by "
+                         f"the TP size {tp}")
+    return shape
+
+
+def _check_device(device, tp, env):
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: valid: auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
+    local = int(env.get("LOCAL_WORLD_SIZE", tp)) if _under_torchrun(env) else tp
+    try:
+        return choose_backend(local, device)
+    except ValueError as e:
+        raise UsageError(f"--device {device}: {e}") from None
+
+
+def _check_out(out):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out!r} exists and is not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out!r}: cannot create it ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out!r}: the folder is not writable")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the phases on the ranks
+# ----------------------------------------------------------------------------------------------
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def _threads(n=None):
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def _busy_cpu_seconds():
+    """CPU seconds spent by the whole machine (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class _PoolRunner:
+    def __init__(self, pool):
+        self.pool, self.rank = pool, 0
+
+    def run(self, fn, *args):
+        return self.pool.run(fn, *args, timeout_s=PHASE_TIMEOUT_S)
+
+
+class _TorchrunRunner:
+    """Every rank runs the phase; the per-rank results are gathered on every rank."""
+
+    def __init__(self):
+        self.rank = dist.get_rank()
+
+    def run(self, fn, *args):
+        mine = fn(*args)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+
+def _say(runner, text):
+    if runner.rank == 0:
+        print(text, flush=True)
+
+
+class _LoadMeter:
+    """CPU used by other work on this machine during a phase, in cores: the machine's busy
+    time (/proc/stat) minus what our own processes used. Local pool on Linux only."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.enabled = isinstance(runner, _PoolRunner) and _busy_cpu_seconds() is not None
+
+    def __enter__(self):
+        if self.enabled:
+            self.ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds()
+            self.busy, self.wall = _busy_cpu_seconds(), time.perf_counter()
+        self.cores = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled and exc[0] is None:
+            busy, wall = _busy_cpu_seconds(), time.perf_counter()
+            ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds() - self.ours
+            self.cores = max(0.0, (busy - self.busy - ours) / (wall - self.wall))
+
+
+def _profile(runner, args):
+    """All phases; returns the results dict (complete on rank 0)."""
+    threads = runner.run(_threads, args.threads)
+    spec = {"config": args.config, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "progress": True,
+            "baseline_threads": os.cpu_count() or 1, "bench_shape": args.bench_shape,
+            "bench_iters": args.bench_iters, "timeline_iters": args.timeline_iters,
+            "trace_dir": os.path.abspath(args.out) if args.trace else None}
+    phases = len(args.modes) + (args.bench_iters > 0) + (args.timeline_iters > 0)
+    tokens = args.batch * args.seq
+    modes, load, k = {}, {}, 0
+    with _LoadMeter(runner) as meter:
+        for mode in args.modes:
+            k += 1
+            who = "rank 0 alone" if mode == "baseline" else f"{args.tp} ranks"
+            _say(runner, f"[{k}/{phases}] {mode} ({who}): {args.steps} steps")
+            modes[mode] = report.combine_mode(runner.run(train.run_mode, mode, spec),
+                                              args.warmup, tokens)
+    load["modes"] = meter.cores
+    report.add_baseline_errors(modes)
+    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes}
+    if args.bench_iters > 0:
+        k += 1
+        _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({args.bench_iters} rounds)")
+        with _LoadMeter(runner) as meter:
+            bench = bench_overlap.summarize(runner.run(bench_overlap.run, spec))
+        load["overlap_benchmark"] = meter.cores
+        results["overlap_benchmark"] = bench
+        sh = bench["shape"]
+        _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} f={sh['f']} "
+                     f"p={sh['p']}" + (" (f calibrated)" if sh["calibrated"] else ""))
+    if args.timeline_iters > 0:
+        k += 1
+        _say(runner, f"[{k}/{phases}] timeline of one block ({args.timeline_iters} recordings "
+                     f"per mode)")
+        with _LoadMeter(runner) as meter:
+            per_rank = runner.run(timeline.record, spec)
+        load["timeline"] = meter.cores
+        spans = {mode: [r[mode] for r in per_rank] for mode in per_rank[0]}
+        results["timeline"] = {"iterations": args.timeline_iters,
+                               "summary": timeline.summarize(per_rank), "spans": spans}
+    results["targets"] = report.evaluate_targets(results)
+    return results
+
+
+def _meta(args, threads, load):
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "device": "cuda" if args.backend == "nccl" else "cpu",
+            "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
+            "backend": args.backend, "world_size": args.tp, "tp": args.tp,
+            "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
+            "baseline_threads": os.cpu_count() or 1, "external_load_cores": load,
+            "launcher": "torchrun" if _under_torchrun(os.environ) else "WorkerPool",
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}
+
+
+def _config(args):
+    model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
+    run = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
+           "lr": args.lr, "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
+                        f"linearly over the first {train.LR_WARMUP_STEPS} steps",
+           "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
+           "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
+    return {"model": model, "run": run}
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+def write_outputs(results, out):
+    files = {"results.json": None, "summary.txt": None, "loss.png": None,
+             "grad_norm.png": None, "step_time.png": None, "memory.png": None}
+    modes = results["modes"]
+    plots.plot_losses(modes, os.path.join(out, "loss.png"))
+    plots.plot_grad_norms(modes, os.path.join(out, "grad_norm.png"))
+    plots.plot_step_times(modes, os.path.join(out, "step_time.png"))
+    plots.plot_memory(modes, os.path.join(out, "memory.png"))
+    if "overlap_benchmark" in results:
+        plots.plot_overlap(results["overlap_benchmark"], os.path.join(out, "overlap.png"))
+        files["overlap.png"] = None
+    if "timeline" in results:
+        plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"))
+        files["timeline.png"] = None
+    if results["config"]["run"].get("trace"):
+        files.update({f"trace_{m}_rank{r}.json": None for m in results["modes"]
+                      if m != "baseline" for r in range(results["meta"]["world_size"])})
+    results["files"] = sorted(files)
+    summary = report.summary_text(results)
+    write_text(os.path.join(out, "summary.txt"), summary)
+    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+    return summary
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    args.argv = argv
+    start = time.perf_counter()
+    if _under_torchrun(os.environ):
+        init_from_env(args.backend, timeout_s=PHASE_TIMEOUT_S)
+        try:
+            runner = _TorchrunRunner()
+            results = _profile(runner, args)
+        finally:
+            shutdown()
+        if runner.rank != 0:
+            return 0
+    else:
+        print(f"spawning {args.tp} ranks ({args.backend})...", flush=True)
+        with WorkerPool(args.tp, backend=args.backend) as pool:
+            results = _profile(_PoolRunner(pool), args)
+    results["meta"]["runtime_s"] = time.perf_counter() - start
+    summary = write_outputs(results, args.out)
+    print("\n" + summary, end="")
+    print(f"wrote {', '.join(results['files'])} to {args.out}/ "
+          f"in {results['meta']['runtime_s']:.0f} s")
+    return 0

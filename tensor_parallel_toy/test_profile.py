@@ -1,0 +1,103 @@
+"""The profile, end to end on a tiny model, and the pieces it is built from.
+
+The smoke test runs every phase (four modes, overlap benchmark, timeline) on the shared 2-rank
+pool with tiny shapes and checks that results.json holds every section and that every plot was
+written; it checks wiring and agreement between modes, not speed.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tensor_parallel_toy import data, profile
+from tensor_parallel_toy.bench_overlap import OPS
+from tensor_parallel_toy.metrics import SavedActivationBytes
+from tensor_parallel_toy.train import MODES
+
+TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
+        "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
+        "--bench-shape", "16,2,32,64", "--timeline-iters", "1"]
+
+
+def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
+    args = profile.parse_args([*TINY, "--out", str(tmp_path)], env={})
+    args.argv = TINY
+    results = profile._profile(profile._PoolRunner(pools(2)), args)
+    results["meta"]["runtime_s"] = 0.0
+    summary = profile.write_outputs(results, str(tmp_path))
+
+    written = sorted(os.listdir(tmp_path))
+    expected = ["grad_norm.png", "loss.png", "memory.png", "overlap.png", "results.json",
+                "step_time.png", "summary.txt", "timeline.png"]
+    assert written == expected, f"files: {written} (no temporary files may be left behind)"
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for key in ("meta", "config", "modes", "overlap_benchmark", "timeline", "targets", "files"):
+        assert key in saved, f"results.json lacks {key!r}"
+    for key in ("torch", "device", "backend", "world_size", "tp", "threads_per_rank"):
+        assert key in saved["meta"], f"meta lacks {key!r}"
+    assert list(saved["modes"]) == list(MODES)
+    for mode, d in saved["modes"].items():
+        for key in ("loss", "grad_norm", "step_time_s", "step_time", "tokens_per_s",
+                    "memory_per_rank"):
+            assert key in d, f"{mode} lacks {key!r}"
+        assert len(d["loss"]) == 4 and all(n > 0 for n in d["grad_norm"]), (mode, d["grad_norm"])
+        if mode != "baseline":
+            assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+            assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, mode
+            assert d["memory_per_rank"][0]["saved_activation_bytes"] > 0, mode
+    assert saved["modes"]["tp"]["memory_per_rank"][0]["param_bytes"] < \
+        saved["modes"]["baseline"]["memory_per_rank"][0]["param_bytes"]
+    assert sorted(saved["overlap_benchmark"]["ops"]) == sorted(OPS)
+    assert set(saved["timeline"]["spans"]) == {"tp", "tp_overlap"}
+    assert len(saved["targets"]) == 4
+    assert "targets:" in summary
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "3"], ["hidden_size=256", "size 3"]),
+    (["--dtype", "fp16"], ["--dtype", "fp32, bf16"]),
+    (["--seq", "127"], ["sequence length 127", "--seq 128"]),
+    (["--kv-heads", "3"], ["num_kv_heads=3"]),
+    (["--kv-heads", "1", "--tp", "2"], ["num_kv_heads=1 < TP size 2"]),
+    (["--tie-embeddings"], ["tie_embeddings=True"]),
+    (["--steps", "3", "--warmup", "2"], ["--steps 3", "--warmup 2"]),
+    (["--vocab", "64"], ["--vocab 64", "128"]),
+    (["--device", "tpu"], ["--device 'tpu'"]),
+    (["--modes", "tp,nope"], ["--modes", "dtensor"]),
+    (["--bench-shape", "15,2,32,64"], ["S=15", "TP size 2"]),
+    (["--no-such-flag"], ["--no-such-flag"]),
+])
+def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
+    code = profile.main([*flags, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, f"exit status {code}"
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+
+
+def test_out_folder_that_is_a_file_is_rejected(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert profile.main(["--out", str(blocker)]) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_batches_are_deterministic_and_labels_are_the_next_token():
+    corpus = data.make_corpus()
+    ids, labels = data.batch(corpus, step=3, batch_size=4, seq_len=32)
+    again, _ = data.batch(data.make_corpus(), step=3, batch_size=4, seq_len=32)
+    other, _ = data.batch(corpus, step=4, batch_size=4, seq_len=32)
+    assert ids.shape == labels.shape == (4, 32) and ids.max() < data.CORPUS_VOCAB
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+    assert torch.equal(ids[:, 1:], labels[:, :-1])
+
+
+def test_saved_activation_bytes_counts_each_storage_once_and_skips_parameters():
+    lin = nn.Linear(8, 4, bias=False)
+    x = torch.randn(5, 8)
+    with SavedActivationBytes(lin) as meter:
+        y = lin(x).exp()  # linear saves x (160 B) and a view of its weight (a parameter)
+        (y * y).sum().backward()  # exp saves y (80 B); y * y saves y twice: one storage
+    assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)

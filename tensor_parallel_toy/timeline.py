@@ -1,0 +1,228 @@
+"""Record when each rank computes and communicates during one block's forward + backward.
+
+Spans, per rank, in two rows:
+- compute: every non-view aten op, timed by a TorchDispatchMode (GEMMs, attention, the rest),
+  plus the time the host spends posting a transfer and blocked waiting for one;
+- comm: each transfer from the moment it is posted until the moment its wait returned.
+
+On CPU the times are host timestamps (`time.perf_counter`, one clock for every process on the
+machine) around each op and around the work handles. gloo's P2P work handles can only be
+waited on once and have no completion callback, so a transfer's end is when its wait returned:
+if the wait did not block, the transfer finished earlier, under the compute before it. On CUDA
+each span is a pair of CUDA events: compute on the current stream, ring transfers on the
+communication stream.
+
+The layers construct their ring and call their collectives through names in
+`parallel_linear`'s namespace; while recording we swap in timed versions there (`_TimedRing`,
+a `Ring` subclass, and wrappers of `all_gather_seq` / `reduce_scatter_seq`) and restore the
+originals afterwards, so the code being timed is the package's own, unmodified.
+"""
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import parallel_linear
+from .comm import Ring
+from .initialize import current_device
+from .model import TransformerBlock, rotary_tables
+
+GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
+
+
+class _Clock:
+    """Host timestamps on CPU, CUDA events on GPU; `span()` stores either kind."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans = []
+        if self.cuda:
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        else:
+            self.origin = time.perf_counter()
+
+    def stamp(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add(self, row, kind, name, start, end, **extra):
+        self.spans.append({"row": row, "kind": kind, "name": name, "start": start, "end": end,
+                           **extra})
+
+    def finish(self):
+        """Convert every stamp to milliseconds since the origin."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            ms = lambda e: self.origin.elapsed_time(e)  # noqa: E731
+        else:
+            ms = lambda t: (t - self.origin) * 1e3  # noqa: E731
+        for span in self.spans:
+            span["start"], span["end"] = ms(span["start"]), ms(span["end"])
+        return self.spans
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every aten op that does work (views are free and skipped)."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "aten" or func.is_view:
+            return func(*args, **(kwargs or {}))  # c10d ops are timed by the comm wrappers
+        start = self.clock.stamp()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        kind = ("gemm" if name in GEMM_OPS else
+                "attention" if "attention" in name else "other")
+        self.clock.add("compute", kind, name, start, self.clock.stamp())
+        return out
+
+
+class _TimedPending:
+    def __init__(self, pending, clock, start, nbytes):
+        self.pending, self.clock, self.start, self.nbytes = pending, clock, start, nbytes
+
+    def wait(self):
+        begin = self.clock.stamp()
+        self.pending.wait()
+        end = self.clock.stamp()
+        if not self.clock.cuda:  # on GPU the host never blocks; the comm span has its own end
+            self.clock.add("compute", "wait", "wait", begin, end)
+            self.clock.add("comm", "ring", "send/recv", self.start, end, bytes=self.nbytes)
+
+
+def _timed_ring_class(clock):
+    class _TimedRing(Ring):
+        def shift(self, send, recv):
+            start = clock.stamp()
+            pending = super().shift(send, recv)
+            nbytes = send.numel() * send.element_size()
+            if clock.cuda:
+                clock.add("comm", "ring", "send/recv", start, clock.stamp(self.stream),
+                          bytes=nbytes)
+            else:
+                clock.add("compute", "post", "post", start, clock.stamp())
+            return _TimedPending(pending, clock, start, nbytes)
+    return _TimedRing
+
+
+class _TimedWork:
+    def __init__(self, work, clock, kind, start, nbytes):
+        self.work, self.clock, self.kind, self.start, self.nbytes = work, clock, kind, start, nbytes
+
+    def wait(self):
+        begin = self.clock.stamp()
+        self.work.wait()
+        end = self.clock.stamp()
+        if not self.clock.cuda:
+            self.clock.add("compute", "wait", "wait", begin, end)
+        self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
+
+
+def _timed_collective(fn, kind, clock):
+    def wrapper(x, group, async_op=False):
+        start = clock.stamp()
+        out, work = fn(x, group, async_op=async_op)
+        nbytes = x.numel() * x.element_size()
+        if work is None:  # a blocking call (or a group of one): the host waited throughout
+            end = clock.stamp()
+            if not clock.cuda:
+                clock.add("compute", "wait", "wait", start, end)
+            clock.add("comm", kind, kind, start, end, bytes=nbytes)
+            return out, None
+        return out, _TimedWork(work, clock, kind, start, nbytes)
+    return wrapper
+
+
+@contextlib.contextmanager
+def recording(clock):
+    """Swap the timed ring and collectives into parallel_linear, time every op, restore."""
+    names = ("Ring", "all_gather_seq", "reduce_scatter_seq")
+    saved = {n: getattr(parallel_linear, n) for n in names}
+    parallel_linear.Ring = _timed_ring_class(clock)
+    parallel_linear.all_gather_seq = _timed_collective(saved["all_gather_seq"], "all-gather",
+                                                       clock)
+    parallel_linear.reduce_scatter_seq = _timed_collective(saved["reduce_scatter_seq"],
+                                                           "reduce-scatter", clock)
+    try:
+        with _OpTimer(clock):
+            yield clock
+    finally:
+        for n, fn in saved.items():
+            setattr(parallel_linear, n, fn)
+
+
+def _record_once(block, x_in, dy, cos, sin, device, group):
+    dist.barrier(group=group)  # every rank starts at (nearly) the same time
+    clock = _Clock(device)
+    with recording(clock):
+        y = block(x_in, cos, sin)
+        forward_end = clock.stamp()
+        y.backward(dy)
+    end = clock.stamp()
+    clock.add("marker", "forward_end", "forward end", forward_end, forward_end)
+    clock.add("marker", "end", "end", end, end)
+    return clock.finish()
+
+
+def record(spec):
+    """On every rank: one TransformerBlock's forward + backward, without and with overlap,
+    recorded `spec["timeline_iters"]` times each (interleaved, so a burst of load from outside
+    hits both alike); keeps, per mode, the recording whose slowest-rank time is the median.
+    Returns {"tp": spans, "tp_overlap": spans}, this rank's spans in ms."""
+    group, device = dist.group.WORLD, current_device()
+    p, config = dist.get_world_size(group), spec["config"]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    s, b, h = spec["seq"], spec["batch"], config.hidden_size
+    cos, sin = (t.to(device) for t in rotary_tables(s, config.head_dim, config.rope_base))
+    gen = torch.Generator().manual_seed(spec["seed"])
+    x = torch.randn(s // p, b, h, generator=gen).to(device, dtype)  # [s/p, b, h]
+    dy = torch.randn(s // p, b, h, generator=gen).to(device, dtype)
+    modes = ("tp", "tp_overlap")
+    blocks, inputs = {}, {}
+    for mode in modes:
+        torch.manual_seed(spec["seed"])
+        blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        blocks[mode].to(device, dtype)
+        inputs[mode] = x.clone().requires_grad_()
+        for warm in range(2):  # warm-up, the first one recorded and thrown away: the first
+            with recording(_Clock(device)) if warm == 0 else contextlib.nullcontext():
+                blocks[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
+    runs = {mode: [] for mode in modes}
+    for _ in range(spec.get("timeline_iters", 5)):
+        for mode in modes:
+            runs[mode].append(_record_once(blocks[mode], inputs[mode], dy, cos, sin, device,
+                                           group))
+    out = {}
+    for mode in modes:
+        totals = torch.tensor([max(s["end"] for s in spans) for spans in runs[mode]],
+                              dtype=torch.float64)
+        dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=group)  # same choice on all ranks
+        out[mode] = runs[mode][int(totals.argsort()[len(totals) // 2])]
+    return out
+
+
+def summarize(per_rank):
+    """Per mode: the block's time (slowest rank), and per rank the time the host was blocked
+    waiting for communication, spent posting transfers, and spent in GEMMs."""
+    result = {}
+    for mode in per_rank[0]:
+        ranks = []
+        for spans in (r[mode] for r in per_rank):
+            total = max(s["end"] for s in spans if s["kind"] == "end")
+            blocked = sum(s["end"] - s["start"] for s in spans if s["kind"] == "wait")
+            gemm = sum(s["end"] - s["start"] for s in spans if s["kind"] == "gemm")
+            comm = sum(s["end"] - s["start"] for s in spans if s["row"] == "comm")
+            posting = sum(s["end"] - s["start"] for s in spans if s["kind"] == "post")
+            ranks.append({"total_ms": total, "blocked_in_comm_ms": blocked, "gemm_ms": gemm,
+                          "posting_ms": posting, "comm_span_ms": comm})
+        result[mode] = {"total_ms": max(r["total_ms"] for r in ranks), "per_rank": ranks}
+    return result
