@@ -16,7 +16,9 @@ import json
 import os
 import platform
 import resource
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -337,6 +339,21 @@ def _config(args):
 # Writing
 # ----------------------------------------------------------------------------------------------
 def write_outputs(results, out):
+    """Render every file into a staging folder inside `out`, then move each into place,
+    results.json last. An interrupted run (or a failing plot) leaves the previous run's files
+    as they were, and each move is an atomic rename: no reader sees a half-written file."""
+    stage = tempfile.mkdtemp(dir=out, prefix=".staging-")
+    try:
+        summary = _render_outputs(results, stage)
+        staged = sorted(os.listdir(stage), key=lambda name: name == "results.json")
+        for name in staged:
+            os.replace(os.path.join(stage, name), os.path.join(out, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return summary
+
+
+def _render_outputs(results, out):
     files = {"results.json": None, "summary.txt": None, "loss.png": None,
              "grad_norm.png": None, "step_time.png": None, "memory.png": None}
     modes = results["modes"]

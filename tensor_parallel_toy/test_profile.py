@@ -6,6 +6,8 @@ written; it checks wiring and agreement between modes, not speed.
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +77,47 @@ def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path
     assert code == 2, f"exit status {code}"
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "0"], ["--tp 0", "between 2 and 64"]),
+    (["--tp", "65"], ["--tp 65", "between 2 and 64"]),
+    (["--steps", "0"], ["--steps 0"]),
+    (["--steps", "-5"], ["--steps -5"]),
+    (["--batch", "0"], ["--batch 0", "at least 1"]),
+    (["--seq", "-1"], ["--seq -1", "at least 1"]),
+    (["--out", "/proc/no/such/folder"], ["--out '/proc/no/such/folder'", "cannot create"]),
+] + ([(["--device", "cuda"], ["--device cuda", "no CUDA device"])]
+     if not torch.cuda.is_available() else []))
+def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(flags, words, capfd):
+    """As a real command: exit status 2, one line on stderr, no traceback, nothing spawned."""
+    out = ["--out", "unused-out"] if "--out" not in flags else []
+    proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out],
+                          capture_output=True, text=True, timeout=60)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "\n" not in err and "Traceback" not in err and "spawning" not in proc.stdout, err
+    assert all(w in err for w in words), err
+
+
+def test_an_interrupted_write_leaves_the_previous_results_intact(tmp_path, monkeypatch):
+    """The profile renders into a staging folder and moves files only when all exist."""
+    previous = {"results.json": "{\"old\": true}", "loss.png": "old picture"}
+    for name, text in previous.items():
+        (tmp_path / name).write_text(text)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # as if Ctrl-C arrived while drawing
+    monkeypatch.setattr(profile.plots, "plot_memory", crash)
+    results = {"modes": {}, "config": {"run": {}}, "meta": {"world_size": 2}}
+    monkeypatch.setattr(profile.plots, "plot_losses", lambda *a: None)
+    monkeypatch.setattr(profile.plots, "plot_grad_norms", lambda *a: None)
+    monkeypatch.setattr(profile.plots, "plot_step_times", lambda *a: None)
+    with pytest.raises(KeyboardInterrupt):
+        profile.write_outputs(results, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(previous), os.listdir(tmp_path)
+    for name, text in previous.items():
+        assert (tmp_path / name).read_text() == text, name
 
 
 def test_out_folder_that_is_a_file_is_rejected(capsys, tmp_path):

@@ -5,7 +5,7 @@ measures, never verdicts: the assertions run here in the pytest process and prin
 
 Tolerance policy (README, "Tolerances"): every error is the largest absolute difference divided
 by the largest absolute reference value, so one tolerance fits tensors of any scale.
-- fp32: <= 1e-5 for one layer, <= 1e-4 for the whole model along three SGD steps. TP
+- fp32: <= 1e-5, for one layer and for the whole model along three SGD steps. TP
   changes only the order of additions.
 - bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
   or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
@@ -22,10 +22,10 @@ from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLi
 from tensor_parallel_toy.comm import ring_all_gather, ring_reduce_scatter
 from tensor_parallel_toy.conftest import BACKENDS
 from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.testing import MODEL_FP32_TOL
 from tensor_parallel_toy.utils import grad_norm
 
 FP32_TOL = 1e-5  # one layer
-MODEL_FP32_TOL = 1e-4  # two blocks, softmax, and optimizer steps compound the round-off
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
@@ -296,7 +296,7 @@ def test_model_bf16_is_as_accurate_as_single_device_bf16(pools, tp):
 
 
 def test_overlap_equals_basic_to_fp32_roundoff(pools):
-    _assert_errors(pools(4).run(_on_rank_overlap_vs_basic), 1e-6, "overlap vs basic, tp=4")
+    _assert_errors(pools(4).run(_on_rank_overlap_vs_basic), 5e-6, "overlap vs basic, tp=4")
 
 
 @pytest.mark.parametrize("tp", [3, 4])

@@ -12,7 +12,7 @@ from .initialize import current_device
 from .model import Transformer
 from .utils import grad_norm
 
-MODEL_FP32_TOL = 1e-4  # whole model in fp32, along optimizer steps (as in test_tp.py)
+MODEL_FP32_TOL = 1e-5  # whole model in fp32, along SGD steps: measured worst ~1e-6
 
 
 def max_rel_error(actual, expected):
