@@ -127,3 +127,32 @@ def test_excerpt_checker_catches_drift(tmp_path, post, expected):
         assert problems == [], problems
     else:
         assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_post_results_table_and_summary_match_the_committed_results_json():
+    """The numbers of section 7 are those of blog/results/results.json: re-running the profile
+    into blog/results without updating the post (or the other way round) fails here."""
+    import json
+
+    from tensor_parallel_toy import report
+
+    with open(os.path.join(BLOG, "results", "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    with open(os.path.join(BLOG, "results", "summary.txt"), encoding="utf-8") as f:
+        assert f.read() == report.summary_text(results), "summary.txt is not from results.json"
+    with open(POST, encoding="utf-8") as f:
+        post = f.read()
+    mib = 2 ** 20
+    for mode, d in results["modes"].items():
+        mem = d["memory_per_rank"][0]
+        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+        t = d["step_time"]
+        cells = [f"`{mode}`", f"{d['loss'][0]:.4f} → {d['loss'][-1]:.4f}",
+                 f"{d['grad_norm'][-1]:.4f}",
+                 f"{t['median'] * 1e3:.1f} [{t['p10'] * 1e3:.1f}–{t['p90'] * 1e3:.1f}]",
+                 f"{d['tokens_per_s']:.0f}", f"{mem['saved_activation_bytes'] / mib:.2f}",
+                 f"{state / mib:.2f}"]
+        rows = [line for line in post.splitlines() if line.startswith(f"| `{mode}` |")]
+        assert rows, f"the results table has no row for {mode}"
+        missing = [c for c in cells if c not in rows[0]]
+        assert not missing, f"{mode}: the post's row {rows[0]!r} lacks {missing} (results.json)"
