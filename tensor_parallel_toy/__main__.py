@@ -11,7 +11,8 @@ def _test(extra_args):
     package_dir = os.path.dirname(os.path.abspath(__file__))
     # Test files named on the command line replace the default: the whole package.
     targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [package_dir]
-    code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", *extra_args])
+    code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
+                         *extra_args])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("error: no tests were collected: a test run that tests nothing is a failure",
               file=sys.stderr)
