@@ -164,7 +164,7 @@ class WorkerPool:
                     self.close(graceful=False)
                     raise WorkerError(f"no answer from ranks "
                                       f"{sorted(set(range(self.world_size)) - set(got))} "
-                                      f"within {timeout_s:.0f} s; stopped all ranks")
+                                      f"within {timeout_s:.0f} s; stopped all ranks") from None
                 continue
             if status == "error":
                 # When a rank dies, its peers soon raise "connection closed": give the launcher

@@ -144,3 +144,18 @@ def test_saved_activation_bytes_counts_each_storage_once_and_skips_parameters():
         y = lin(x).exp()  # linear saves x (160 B) and a view of its weight (a parameter)
         (y * y).sum().backward()  # exp saves y (80 B); y * y saves y twice: one storage
     assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
+
+
+def test_profile_runs_under_torchrun(tmp_path):
+    """Started the standard way (env:// rendezvous, one process per rank, no WorkerPool)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tensor_parallel_toy", "profile", *TINY, "--bench-iters", "0",
+           "--timeline-iters", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["meta"]["world_size"] == 2 and saved["meta"]["tp"] == 2, saved["meta"]
+    for mode, d in saved["modes"].items():
+        if mode != "baseline":
+            assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
