@@ -8,6 +8,12 @@ import sys
 def _test(extra_args):
     import pytest
 
+    import torch
+
+    gpus = torch.cuda.device_count()
+    print(f"tensor_parallel_toy test: ranks are CPU processes over gloo"
+          + (f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
+             f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     package_dir = os.path.dirname(os.path.abspath(__file__))
     # Test files named on the command line replace the default: the whole package.
     targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [package_dir]
