@@ -16,13 +16,6 @@ BACKENDS = [
 ]
 
 
-def pytest_report_header(config):
-    gpus = torch.cuda.device_count()
-    return (f"tensor_parallel_toy: torch {torch.__version__}; ranks use gloo on CPU"
-            + (f"; NCCL tests on {gpus} GPUs" if gpus >= 2 else
-               f"; NCCL tests skipped ({gpus} CUDA GPUs, need >= 2)"))
-
-
 @pytest.fixture(scope="session")
 def pools():
     live = {}
