@@ -71,9 +71,9 @@ def tp_plan(config):
 def check_plan(config, tp_size):
     """What this plan cannot express, refused in one line before any collective."""
     if config.tie_embeddings:
-        raise ValueError("tie_embeddings=True: the dtensor plan shards the embedding Rowwise "
-                         "and the head Colwise, which cannot share one weight; untie them or "
-                         "leave the dtensor mode out")
+        raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
+                         "head each a new DTensor parameter, silently untying them; untie them "
+                         "or leave the dtensor mode out")
     if config.num_kv_heads < tp_size:
         raise ValueError(f"num_kv_heads={config.num_kv_heads} < TP size {tp_size}: the dtensor "
                          f"plan cannot replicate k/v heads; use at least {tp_size} k/v heads or "
