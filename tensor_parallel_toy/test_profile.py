@@ -159,3 +159,17 @@ def test_profile_runs_under_torchrun(tmp_path):
     for mode, d in saved["modes"].items():
         if mode != "baseline":
             assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+
+
+def test_profile_trains_every_mode_with_grouped_query_attention(pools, tmp_path):
+    """GQA on (2 k/v heads for 4 query heads, split over TP 2) in all four modes, including the
+    DTensor plan; the hand-written modes use the vocab-parallel loss as always."""
+    flags = [*TINY, "--kv-heads", "2", "--bench-iters", "0", "--timeline-iters", "0",
+             "--out", str(tmp_path)]
+    args = profile.parse_args(flags, env={})
+    args.argv = flags
+    results = profile._profile(profile._PoolRunner(pools(2)), args)
+    assert results["config"]["model"]["num_kv_heads"] == 2, results["config"]["model"]
+    for mode, d in results["modes"].items():
+        if mode != "baseline":
+            assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
