@@ -89,9 +89,9 @@ def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path
     (["--out", "/proc/no/such/folder"], ["--out '/proc/no/such/folder'", "cannot create"]),
 ] + ([(["--device", "cuda"], ["--device cuda", "no CUDA device"])]
      if not torch.cuda.is_available() else []))
-def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(flags, words, capfd):
+def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(flags, words, tmp_path):
     """As a real command: exit status 2, one line on stderr, no traceback, nothing spawned."""
-    out = ["--out", "unused-out"] if "--out" not in flags else []
+    out = ["--out", str(tmp_path / "out")] if "--out" not in flags else []
     proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out],
                           capture_output=True, text=True, timeout=60)
     err = proc.stderr.strip()
