@@ -11,7 +11,7 @@ def _test(extra_args):
     import torch
 
     gpus = torch.cuda.device_count()
-    print(f"tensor_parallel_toy test: ranks are CPU processes over gloo"
+    print("tensor_parallel_toy test: ranks are CPU processes over gloo"
           + (f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     package_dir = os.path.dirname(os.path.abspath(__file__))

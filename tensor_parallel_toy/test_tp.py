@@ -22,7 +22,7 @@ from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLi
 from tensor_parallel_toy.comm import ring_all_gather, ring_reduce_scatter
 from tensor_parallel_toy.conftest import BACKENDS
 from tensor_parallel_toy.initialize import current_device
-from tensor_parallel_toy.testing import MODEL_FP32_TOL
+from tensor_parallel_toy.testing import MODEL_FP32_TOL, assert_errors, max_rel_error
 from tensor_parallel_toy.utils import grad_norm
 
 FP32_TOL = 1e-5  # one layer
@@ -33,27 +33,8 @@ CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
 SEQ, BATCH = 12, 2
 
 
-def _err(actual, expected):
-    """max |actual - expected| / max |expected|"""
-    diff = (actual.detach().double().cpu() - expected.detach().double().cpu()).abs().max()
-    scale = expected.detach().double().abs().max().clamp_min(1e-30).cpu()
-    return (diff / scale).item()
-
-
-def _worst(per_rank):
-    worst = {}
-    for errors in per_rank:
-        for key, value in errors.items():
-            worst[key] = max(worst.get(key, 0.0), value)
-    return worst
-
-
-def _assert_errors(per_rank, tol, what):
-    worst = _worst(per_rank)
-    bad = {k: v for k, v in worst.items() if not v <= tol}
-    assert not bad, (f"{what}: above tolerance {tol:g}: "
-                     + ", ".join(f"{k}={v:.3g} (needs tol >= {v:.3g})" for k, v in bad.items()))
-    return worst
+_err = max_rel_error  # max |actual - expected| / max |expected|
+_assert_errors = assert_errors
 
 
 def _assert_bf16(per_rank, what):

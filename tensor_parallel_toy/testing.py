@@ -25,12 +25,18 @@ def max_rel_error(actual, expected):
     return (diff / scale).item()
 
 
-def assert_errors(per_rank, tol, what):
-    """per_rank: one {key: error} dict per rank. Fails listing every key above `tol`."""
+def worst_per_key(per_rank):
+    """{key: largest error over the ranks} from one {key: error} dict per rank."""
     worst = {}
     for errors in per_rank:
         for key, value in errors.items():
             worst[key] = max(worst.get(key, 0.0), value)
+    return worst
+
+
+def assert_errors(per_rank, tol, what):
+    """per_rank: one {key: error} dict per rank. Fails listing every key above `tol`."""
+    worst = worst_per_key(per_rank)
     bad = {k: v for k, v in worst.items() if not v <= tol}
     assert not bad, (f"{what}: above tolerance {tol:g}: "
                      + ", ".join(f"{k}={v:.3g} (needs tol >= {v:.3g})" for k, v in bad.items()))

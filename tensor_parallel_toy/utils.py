@@ -1,4 +1,4 @@
-"""Small shared helpers: the TP-aware gradient norm and the error measures the tests report."""
+"""The TP-aware gradient norm."""
 import torch
 import torch.distributed as dist
 
@@ -27,14 +27,3 @@ def grad_norm(model, tp_group=None):
     if group_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt().item()
-
-
-def max_abs_error(actual, expected):
-    return (actual.double() - expected.double()).abs().max().item()
-
-
-def rel_error(actual, expected):
-    """||actual - expected|| / ||expected|| (Frobenius norm), 0 when both are zero."""
-    diff = (actual.double() - expected.double()).norm().item()
-    ref = expected.double().norm().item()
-    return diff / ref if ref > 0 else diff
