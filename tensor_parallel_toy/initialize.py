@@ -117,13 +117,11 @@ class WorkerPool:
     def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world size {world_size!r} must be a positive integer")
-        if backend not in (None, "gloo", "nccl"):
+        devices = {None: "auto", "gloo": "cpu", "nccl": "cuda"}
+        if backend not in devices:
             raise ValueError(f"backend {backend!r} is not one of: gloo, nccl")
-        if backend == "nccl" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"backend nccl with {world_size} ranks needs {world_size} GPUs, "
-                             f"found {torch.cuda.device_count()}")
         self.world_size = world_size
-        self.backend = backend or choose_backend(world_size)
+        self.backend = choose_backend(world_size, devices[backend])  # checks the GPU count
         self.timeout_s = timeout_s
         # The store lives here, on a port the OS picked (port 0): two pools, or a pool and a
         # torchrun job, can never collide on a port.
