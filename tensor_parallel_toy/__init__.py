@@ -1,10 +1,17 @@
-"""tensor_parallel_toy: Megatron-style tensor + sequence parallelism with hand-written autograd."""
-from .any_model import apply_tensor_parallel, sync_replicated_gradients
+"""tensor_parallel_toy: Megatron-style tensor + sequence parallelism with hand-written autograd.
+
+The library is this folder; `profiling/` is the harness behind `python -m tensor_parallel_toy
+profile`, and `tests/` the specification. Arrows run only from those two into the library.
+"""
+from .classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from .config import ModelConfig
 from .model import Transformer
-from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+                              row_parallel_linear)
+from .sharding import grad_norm
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RowParallelLinear", "Transformer",
-           "VocabParallelEmbedding", "apply_tensor_parallel", "sync_replicated_gradients",
+           "VocabParallelEmbedding", "apply_tensor_parallel", "column_parallel_linear",
+           "grad_norm", "row_parallel_linear", "sync_replicated_gradients",
            "vocab_parallel_cross_entropy"]

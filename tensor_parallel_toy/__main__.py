@@ -14,9 +14,9 @@ def _test(extra_args):
     print("tensor_parallel_toy test: ranks are CPU processes over gloo"
           + (f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    # Test files named on the command line replace the default: the whole package.
-    targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [package_dir]
+    tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
+    # Test files named on the command line replace the default: the whole suite.
+    targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [tests_dir]
     code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
                          *extra_args])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
@@ -40,7 +40,7 @@ def main(argv=None):
     if args.command == "test":
         return _test(extra)
     if args.command == "profile":
-        from .profile import main as profile_main
+        from .profiling.cli import main as profile_main
         return profile_main(extra)
     parser.error(f"unknown command {args.command!r}")
 

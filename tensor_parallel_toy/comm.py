@@ -1,4 +1,4 @@
-"""Communication along the tensor-parallel group: collectives, region transitions, the P2P ring.
+"""Communication along the tensor-parallel group: collectives and region transitions.
 
 Activations are sequence-first, `[s, b, h]`. Under sequence parallelism TP rank r holds rows
 `r*s/p:(r+1)*s/p` of the sequence, so "gather the sequence" is an all-gather along dim 0 and
@@ -6,9 +6,18 @@ Activations are sequence-first, `[s, b, h]`. Under sequence parallelism TP rank 
 concatenations of equal flat blocks, which is what `all_gather_single` and
 `reduce_scatter_single` move.
 
+The region transitions are autograd Functions named by the region they lead into, each the
+conjugate of another: `f` and `g` come from Megatron-LM's tensor parallelism (Shoeybi et al.,
+2019, arXiv:1909.08053, section 3), the sequence all-gather / reduce-scatter pair from its
+sequence parallelism (Korthikanti et al., 2022, arXiv:2205.05198, their operators
+`g` and `g-bar`). The P2P ring the overlapped layers use is in ring.py.
+
 Every function takes its group explicitly; a group of one rank returns early, so the same code
-runs at TP size 1.
+runs at TP size 1. Every transfer goes through `transfer`, the one place a recording (the
+profile's timeline) can see it.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -22,6 +31,39 @@ def group_rank(group) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# The instrumentation seam: every transfer of the package passes through `transfer`
+# ----------------------------------------------------------------------------------------------
+_recorder = None  # set only inside `recording(...)`; None costs one comparison per transfer
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Report every transfer (the collectives below, the ring steps of ring.py) to `recorder`.
+
+    `recorder.transfer(kind, nbytes, post, stream)` must call `post()`, which starts the
+    transfer and returns its handle (anything with `wait()`), or None when the call blocked
+    until it was done, and return a handle with the same `wait()`. `kind` is "all-gather",
+    "reduce-scatter", "all-reduce" or "ring"; `stream` is the CUDA stream a ring step runs on
+    (None elsewhere). Only one recording at a time.
+    """
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("a recording of the transfers is already active")
+    _recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _recorder = None
+
+
+def transfer(kind, tensor, post, stream=None):
+    """Start a transfer of `tensor` with `post()`, reported to the recording if one is active."""
+    if _recorder is None:
+        return post()
+    return _recorder.transfer(kind, tensor.numel() * tensor.element_size(), post, stream)
+
+
+# ----------------------------------------------------------------------------------------------
 # Collectives along the sequence dimension (dim 0)
 # ----------------------------------------------------------------------------------------------
 def all_gather_seq(x_local, group, async_op=False):
@@ -31,7 +73,8 @@ def all_gather_seq(x_local, group, async_op=False):
         return x_local, None
     x_local = x_local.contiguous()
     out = x_local.new_empty((x_local.shape[0] * p, *x_local.shape[1:]))
-    work = dist.all_gather_single(out, x_local, group=group, async_op=async_op)
+    work = transfer("all-gather", x_local, lambda: dist.all_gather_single(
+        out, x_local, group=group, async_op=async_op))
     return out, work
 
 
@@ -44,13 +87,15 @@ def reduce_scatter_seq(x_full, group, async_op=False):
         raise ValueError(f"cannot reduce-scatter {x_full.shape[0]} sequence rows over {p} ranks")
     x_full = x_full.contiguous()
     out = x_full.new_empty((x_full.shape[0] // p, *x_full.shape[1:]))
-    work = dist.reduce_scatter_single(out, x_full, group=group, async_op=async_op)
+    work = transfer("reduce-scatter", x_full, lambda: dist.reduce_scatter_single(
+        out, x_full, group=group, async_op=async_op))
     return out, work
 
 
-def all_reduce_(x, group):
+def all_reduce_(x, group, op=dist.ReduceOp.SUM):
+    """Reduce `x` over the group in place (a sum unless `op` says otherwise); returns `x`."""
     if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        transfer("all-reduce", x, lambda: dist.all_reduce(x, op=op, group=group))
     return x
 
 
@@ -59,8 +104,9 @@ def all_gather_dim(x, dim, group):
     p = group_size(group)
     if p == 1:
         return x
+    x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(p)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    transfer("all-gather", x, lambda: dist.all_gather(parts, x, group=group))
     return torch.cat(parts, dim=dim)
 
 
@@ -74,8 +120,7 @@ def average_over_group_(tensors, group):
     p = group_size(group)
     if p == 1 or not tensors:
         return tensors
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    flat = all_reduce_(torch.cat([t.reshape(-1) for t in tensors]), group)
     flat /= p
     offset = 0
     for t in tensors:
@@ -116,6 +161,9 @@ def gather_from_tensor_parallel_region(x, group):
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """forward: reduce-scatter along the sequence (dim 0); backward: all-gather along it.
 
+    Korthikanti et al.'s `g-bar` (arXiv:2205.05198), which leaves the tensor
+    parallel region for the sequence parallel one.
+
     `[s, b, h]` partial sums on every rank -> `[s/p, b, h]`, rows r*s/p:(r+1)*s/p summed over
     the group, on rank r. Used by the vocab-parallel embedding: each rank looks up every token
     but only finds the ones in its vocabulary shard (zeros elsewhere), so the sum over ranks is
@@ -142,6 +190,8 @@ def reduce_scatter_to_sequence_parallel_region(x, group):
 class _CopyToTensorParallelRegion(torch.autograd.Function):
     """Megatron's `f`: forward identity; backward all-reduce (sum). Conjugate of `g`.
 
+    Shoeybi et al., arXiv:1909.08053, section 3, where `f` opens the MLP and the attention.
+
     A tensor that is the same on every rank and then used differently on each (the input of a
     classic column-parallel layer, a weight whose rows each rank uses only in part) gets a
     partial gradient on each rank; the true gradient is their sum.
@@ -159,6 +209,8 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     """Megatron's `g`: forward all-reduce (sum); backward identity. Conjugate of `f`.
+
+    Shoeybi et al., arXiv:1909.08053, section 3, where `g` closes the MLP and the attention.
 
     Partial results (a classic row-parallel layer's output, one term per rank) become their
     sum on every rank; the sum's gradient with respect to each term is the incoming gradient.
@@ -185,134 +237,3 @@ def reduce_from_tensor_parallel_region(x, group):
     if group_size(group) == 1:
         return x
     return _ReduceFromTensorParallelRegion.apply(x, group)
-
-
-# ----------------------------------------------------------------------------------------------
-# Replicated parameters under sequence parallelism
-# ----------------------------------------------------------------------------------------------
-def register_sequence_parallel_grad_hooks(module, group) -> int:
-    """Sum, over the TP group, the gradient of every parameter marked `sequence_parallel`.
-
-    A norm weight is replicated on every TP rank, but under SP each rank applies it to its own
-    s/p tokens only, so each rank's gradient is a partial sum over the sequence. The hook sees
-    the gradient of one backward pass before it is accumulated into `.grad`, so gradient
-    accumulation over micro-batches stays correct (reducing `.grad` itself would re-add the
-    already-reduced earlier micro-batches). Returns how many parameters got a hook.
-    """
-    if group_size(group) == 1:
-        return 0
-    hooked = 0
-    for param in module.parameters():
-        if getattr(param, "sequence_parallel", False) and not getattr(param, "_sp_hooked", False):
-            param.register_hook(lambda grad: all_reduce_(grad.clone(), group))
-            param._sp_hooked = True
-            hooked += 1
-    return hooked
-
-
-# ----------------------------------------------------------------------------------------------
-# The P2P ring used by the overlapped layers
-# ----------------------------------------------------------------------------------------------
-_COMM_STREAMS = {}  # one CUDA side stream per (group, device), created once and reused
-
-
-def _comm_stream(group, device):
-    key = (group, device)
-    if key not in _COMM_STREAMS:
-        _COMM_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _COMM_STREAMS[key]
-
-
-class _Pending:
-    """A posted ring step. `wait()` makes the received chunk safe to read on this rank."""
-
-    def __init__(self, works=None, done_event=None):
-        self.works, self.done_event = works, done_event
-
-    def wait(self):
-        if self.done_event is not None:
-            # GPU: the compute stream waits for the comm stream; the host never blocks.
-            torch.cuda.current_stream().wait_event(self.done_event)
-        else:
-            for work in self.works:
-                work.wait()
-
-
-class Ring:
-    """This rank's neighbours in a ring over `group`, and one step of traffic around it.
-
-    P2P calls address *global* ranks, so the group-local neighbours are translated with
-    `get_global_rank`; that is what lets the overlap run on any subgroup, not only WORLD.
-    """
-
-    def __init__(self, group, device):
-        self.group = group
-        self.size, self.rank = group_size(group), group_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.stream = _comm_stream(group, device) if device.type == "cuda" else None
-
-    def shift(self, send, recv) -> _Pending:
-        """Post: send `send` to the next rank, receive into `recv` from the previous one."""
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        if self.stream is None:
-            # CPU/gloo: the transfer progresses on gloo's own thread while we compute.
-            return _Pending(works=dist.batch_isend_irecv(ops))
-        # GPU: `send` was written on the compute stream; the comm stream must not read it early.
-        ready = torch.cuda.Event()
-        ready.record()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()  # on NCCL this orders the comm stream, it does not block the host
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        # Both buffers were allocated on the compute stream and are now used on the comm
-        # stream: tell the caching allocator not to hand them out again before it is done.
-        send.record_stream(self.stream)
-        recv.record_stream(self.stream)
-        return _Pending(done_event=done)
-
-
-def ring_all_gather(x_local, ring, consume):
-    """All-gather by passing sequence chunks around the ring; `consume(c, chunk_c)` sees each.
-
-    Step k: rank r holds chunk (r - k) mod p. The send/recv of step k+1's chunk is posted
-    *before* consume runs on chunk k, so the transfer is in flight during the GEMM:
-
-        rank r:  post(k=0) | gemm(chunk r)   | wait | post(k=1) | gemm(chunk r-1) | wait | ...
-    """
-    p, r = ring.size, ring.rank
-    spare = [torch.empty_like(x_local) for _ in range(min(p - 1, 2))]
-    current = x_local.contiguous()
-    for k in range(p):
-        pending = None
-        if k < p - 1:
-            incoming = spare[k % 2]  # not the buffer being sent, nor the one just consumed
-            pending = ring.shift(send=current, recv=incoming)
-        consume((r - k) % p, current)
-        if pending is not None:
-            pending.wait()
-            current = incoming
-
-
-def ring_reduce_scatter(partial_chunk, ring):
-    """Reduce-scatter where `partial_chunk(c)` computes this rank's partial sum of chunk c.
-
-    The running sum of chunk c starts on rank c+1 and travels right around the ring, each rank
-    adding its own partial, until it reaches rank c with all p partials in it. Each rank sends
-    p-1 chunks of N/p elements: the same traffic as one reduce-scatter. While one accumulator
-    is in flight, the GEMM for the next chunk runs.
-    """
-    p, r = ring.size, ring.rank
-    acc = partial_chunk((r - 1) % p)
-    if p == 1:
-        return acc
-    incoming = [torch.empty_like(acc), torch.empty_like(acc)]
-    for k in range(1, p):
-        pending = ring.shift(send=acc, recv=incoming[k % 2])
-        partial = partial_chunk((r - 1 - k) % p)
-        pending.wait()
-        acc = partial.add_(incoming[k % 2])
-    return acc

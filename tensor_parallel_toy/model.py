@@ -27,28 +27,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_gather_dim, copy_to_tensor_parallel_region,
-                   gather_from_tensor_parallel_region, group_rank, group_size,
-                   register_sequence_parallel_grad_hooks)
+from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+                   group_rank, group_size)
 from .config import ModelConfig, check_seq_len, padded_seq_len
-from .parallel_linear import _AllGatherGemm, _RingAllGatherGemm, column_linear, row_linear
-from .vocab_parallel import (VocabParallelEmbedding, check_loss_arguments,
+from .parallel_linear import column_linear, column_parallel_linear, row_linear
+from .sharding import (full_shape, init_std, mark_init_std, mark_sequence_parallel,
+                       register_sequence_parallel_grad_hooks, shard, unshard)
+from .vocab_parallel import (VocabParallelEmbedding, check_loss_options, check_token_ids,
                              vocab_parallel_cross_entropy)
-
-
-def mark_sequence_parallel(param):
-    """A replicated parameter applied to sequence-parallel activations: each rank's gradient
-    covers only its s/p tokens and must be summed over the TP group (see comm.py)."""
-    param.sequence_parallel = True
-    return param
 
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = mark_sequence_parallel(nn.Parameter(torch.ones(dim)))
-        self.weight.init_std = None  # keep the ones
+        weight = mark_sequence_parallel(nn.Parameter(torch.ones(dim)))
+        self.weight = mark_init_std(weight, None)  # keep the ones
 
     def forward(self, x):
         rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
@@ -66,12 +60,6 @@ def apply_rotary(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [s, 1, 1, hd/2]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
-
-
-def _column_gemm(x, weight, tp_group, overlap):
-    """ColumnParallelLinear's all-gather(seq) + GEMM, on a weight assembled for this call."""
-    fn = _RingAllGatherGemm if overlap else _AllGatherGemm
-    return fn.apply(x, weight, None, tp_group)
 
 
 class Attention(nn.Module):
@@ -113,7 +101,7 @@ class Attention(nn.Module):
                 head = group_rank(tp_group) // (p // nkv)
                 self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
         self.proj = row_linear(h, h, tp_group, overlap)
-        self.proj.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
+        mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def _project(self, x):
         """x -> q [s, b, nh/p, hd], and k, v [s, b, nkv/p (or 1 when replicated), hd]."""
@@ -130,7 +118,7 @@ class Attention(nn.Module):
                 start, end = self.kv_rows
                 kv_weight = copy_to_tensor_parallel_region(kv_weight, self.tp_group)[start:end]
             weight = torch.cat([self.q.weight, kv_weight])  # this rank's q rows, then k/v rows
-            qkv = _column_gemm(x, weight, self.tp_group, self.overlap)  # [s, b, rows]
+            qkv = column_parallel_linear(x, weight, None, self.tp_group, self.overlap)
             q, kv = qkv.split([self.q.weight.shape[0], kv_weight.shape[0]], dim=-1)
         s, b, _ = q.shape
         k, v = kv.view(s, b, -1, 2, hd).unbind(dim=3)  # [s, b, kv heads here, hd] each
@@ -153,7 +141,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = column_linear(config.hidden_size, config.ffn_hidden_size, tp_group, overlap)
         self.fc2 = row_linear(config.ffn_hidden_size, config.hidden_size, tp_group, overlap)
-        self.fc2.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
+        mark_init_std(self.fc2.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,f/p] -> [s/p,b,h]
@@ -179,18 +167,24 @@ class Transformer(nn.Module):
     max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection).
     `model.loss(input_ids, labels)`: the mean cross-entropy over the tokens whose label is not
     ignore_index, the same scalar on every rank, from vocab-sharded logits (never gathered).
+
+    The batch is validated once per call, before any collective: its shape and length always;
+    its token ids and labels when `check_ids` says so (None, the default: when they are on the
+    CPU, which is free; True: also on a GPU, at one device-to-host copy per call; False: never).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
+    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,
+                 check_ids=None):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any collective can run
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
+        self.check_ids = check_ids
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
+        else:  # the batch is checked here, once per call, not again in the embedding
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                tp_group=tp_group)
+                                                tp_group=tp_group, check_ids=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -208,17 +202,27 @@ class Transformer(nn.Module):
         register_sequence_parallel_grad_hooks(self, tp_group)
 
     # -- forward ---------------------------------------------------------------------------------
+    def _check_batch(self, input_ids, labels=None, ignore_index=None):
+        """Everything about the batch that can be wrong, refused in one line on every rank."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
+        check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)
+        check_token_ids(input_ids, self.config.vocab_size, "token id", check_ids=self.check_ids)
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels of shape {list(labels.shape)} do not match input_ids "
+                                 f"of shape {list(input_ids.shape)}")
+            check_token_ids(labels, self.config.vocab_size, "label", ignore_index,
+                            check_ids=self.check_ids)
+
     def _pad(self, t, value):
         """[s, b] -> [s', b], s' the next multiple of the TP size, `value` in the new rows."""
         pad = padded_seq_len(t.shape[0], self.tp_size) - t.shape[0]
         return F.pad(t, (0, 0, 0, pad), value=value) if pad else t
 
     def _local_logits(self, input_ids):
-        """input_ids [b, s] -> this rank's logits [s', b, V/p] (s' = s padded; the baseline:
-        [s, b, V])."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
-        check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)
+        """input_ids [b, s] (checked) -> this rank's logits [s', b, V/p] (s' = s padded; the
+        baseline: [s, b, V])."""
         # Pad with any valid token: causal attention never lets a real token see it.
         ids = self._pad(input_ids.t(), 0)  # [s', b]
         x = self.embed(ids)  # [s'/p, b, h]
@@ -227,6 +231,7 @@ class Transformer(nn.Module):
         return self.head(self.norm(x))  # [s', b, V/p]
 
     def forward(self, input_ids):
+        self._check_batch(input_ids)
         logits = self._local_logits(input_ids)  # [s', b, V/p]
         logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
         return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
@@ -237,72 +242,50 @@ class Transformer(nn.Module):
         shifted by the caller), as F.cross_entropy computes it on the full logits, with the
         same keywords. "mean" is over the tokens not labelled ignore_index; "none" returns
         `[b, s]`. Under TP: from the vocab-sharded logits, which are never gathered."""
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels of shape {list(labels.shape)} do not match input_ids of "
-                             f"shape {list(input_ids.shape)}")
+        check_loss_options(label_smoothing, reduction)
+        self._check_batch(input_ids, labels, ignore_index)  # before the forward's collectives
         if self.tp_group is None:
             logits = self._local_logits(input_ids)  # [s, b, V]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.t().flatten(),
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    reduction=reduction)
             return loss.view(labels.shape[::-1]).t() if reduction == "none" else loss
-        check_loss_arguments(labels, self.config.vocab_size, ignore_index, label_smoothing,
-                             reduction)  # before the forward's collectives
         labels_t = self._pad(labels.t(), ignore_index)  # [s', b]: padding is not counted
         loss = vocab_parallel_cross_entropy(
             self._local_logits(input_ids), labels_t, self.tp_group, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, reduction=reduction)
+            label_smoothing=label_smoothing, reduction=reduction, check_ids=False)
         return loss[:labels.shape[1]].t() if reduction == "none" else loss
 
     # -- weights ---------------------------------------------------------------------------------
-    def _shard(self, full, param):
-        dim = getattr(param, "tensor_parallel_dim", None)
-        if dim is None or self.tp_size == 1:
-            return full
-        return full.chunk(self.tp_size, dim=dim)[group_rank(self.tp_group)]
-
-    def _unshard(self, local, param):
-        dim = getattr(param, "tensor_parallel_dim", None)
-        if dim is None or self.tp_size == 1:
-            return local
-        return all_gather_dim(local, dim, self.tp_group)
-
-    def _full_shape(self, param):
-        shape = list(param.shape)
-        dim = getattr(param, "tensor_parallel_dim", None)
-        if dim is not None:
-            shape[dim] *= self.tp_size
-        return shape
-
     @torch.no_grad()
     def reset_parameters(self, seed=0):
         """Draw every *full* weight from its own generator (seeded by seed and name) and keep
         this rank's shard: any TP size starts from exactly the baseline's weights."""
         for name, param in self.named_parameters():
-            std = getattr(param, "init_std", 0.02)
+            std = init_std(param)
             if std is None:
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(self._full_shape(param), generator=gen) * std
-            param.copy_(self._shard(full, param))
+            full = torch.randn(full_shape(param, self.tp_size), generator=gen) * std
+            param.copy_(shard(full, param, self.tp_group))
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):
         """Load a baseline `Transformer(config).state_dict()`, keeping this rank's shards."""
         for name, param in self.named_parameters():
-            full = state_dict[name]
-            if list(full.shape) != self._full_shape(param):
+            full, shape = state_dict[name], full_shape(param, self.tp_size)
+            if list(full.shape) != shape:
                 raise ValueError(f"{name}: checkpoint shape {list(full.shape)} does not match "
-                                 f"the model's full shape {self._full_shape(param)}")
-            param.copy_(self._shard(full.to(param.device, param.dtype), param))
+                                 f"the model's full shape {shape}")
+            param.copy_(shard(full.to(param.device, param.dtype), param, self.tp_group))
 
     @torch.no_grad()
     def full_state_dict(self):
         """Full (unsharded) parameters under the baseline's keys, on every rank."""
-        return {n: self._unshard(p.detach(), p) for n, p in self.named_parameters()}
+        return {n: unshard(p.detach(), p, self.tp_group) for n, p in self.named_parameters()}
 
     @torch.no_grad()
     def full_grads(self):
         """Full (unsharded) gradients under the baseline's keys, on every rank."""
-        return {n: None if p.grad is None else self._unshard(p.grad, p)
+        return {n: None if p.grad is None else unshard(p.grad, p, self.tp_group)
                 for n, p in self.named_parameters()}

@@ -18,9 +18,11 @@ Each forward collective's backward is its conjugate (all-gather <-> reduce-scatt
 transpose of "copy my block to everyone" is "sum everyone's copy of my block".
 
 Two Functions per layer: the basic one calls the collectives whole; the overlapped one cuts the
-GEMM into p sequence chunks and moves the chunks around a P2P ring (see comm.py) so that the
+GEMM into p sequence chunks and moves the chunks around a P2P ring (see ring.py) so that the
 transfer of one chunk runs under the GEMM of another. Both give the same numbers up to the
-order of fp32 additions. `overlap=True` on the Module picks the ring version.
+order of fp32 additions. `column_parallel_linear` and `row_parallel_linear` are the two
+operations as plain functions, each picking its Function (`overlap=True`: the ring version);
+the Modules hold a weight shard and call them.
 """
 import math
 
@@ -28,8 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (Ring, all_gather_seq, all_reduce_, group_rank, group_size,
-                   reduce_scatter_seq, ring_all_gather, ring_reduce_scatter)
+from .comm import all_gather_seq, all_reduce_, group_size, reduce_scatter_seq
+from .ring import Ring, ring_all_gather, ring_reduce_scatter
+from .sharding import init_from_full_, mark_tensor_parallel
 
 
 def _flat(t):
@@ -128,6 +131,16 @@ def _reduced_bias_grad(dy_local, group):
     return all_reduce_(_bias_grad(dy_local), group)
 
 
+def _finish_row_forward(ctx, y_local, x, weight, bias, group):
+    """The tail both row forwards share: add the replicated bias to this rank's rows (once,
+    after the sum), and keep what backward needs."""
+    if bias is not None:
+        y_local = y_local + bias
+    ctx.save_for_backward(x, weight)
+    ctx.group, ctx.has_bias = group, bias is not None
+    return y_local
+
+
 class _GemmReduceScatter(torch.autograd.Function):
     """forward: GEMM then reduce-scatter(seq); backward: all-gather(seq) then GEMMs."""
 
@@ -135,11 +148,7 @@ class _GemmReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         y_partial = F.linear(x, weight)  # [s, b, out], a partial sum over the in/p slices
         y_local, _ = reduce_scatter_seq(y_partial, group)  # [s/p, b, out]
-        if bias is not None:
-            y_local = y_local + bias
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return y_local
+        return _finish_row_forward(ctx, y_local, x, weight, bias, group)
 
     @staticmethod
     def backward(ctx, dy_local):
@@ -165,11 +174,7 @@ class _GemmRingReduceScatter(torch.autograd.Function):
         ring = Ring(group, x.device)
         n = x.shape[0] // ring.size
         y_local = ring_reduce_scatter(lambda c: F.linear(x[c * n:(c + 1) * n], weight), ring)
-        if bias is not None:
-            y_local = y_local + bias
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return y_local
+        return _finish_row_forward(ctx, y_local, x, weight, bias, group)
 
     @staticmethod
     def backward(ctx, dy_local):
@@ -189,18 +194,42 @@ class _GemmRingReduceScatter(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Modules
+# The two operations as functions, and the Modules that hold their weight shards
 # ----------------------------------------------------------------------------------------------
-def mark_tensor_parallel(param, dim):
-    """Parameter metadata read by sharding, checkpoint and grad-norm code (never names):
-    `tensor_parallel_dim` is the dim split across TP ranks, None for a replicated parameter."""
-    param.tensor_parallel_dim = dim
-    return param
-
-
 def _check_divisible(what, value, p):
     if value % p:
         raise ValueError(f"{what}={value} is not divisible by the tensor-parallel size {p}")
+
+
+def column_parallel_linear(x, weight, bias, group, overlap=False):
+    """All-gather the sequence, then `x W^T + b` with this rank's rows of W.
+
+    x `[s/p, b, in]` (this rank's sequence rows), weight `[out/p, in]`, bias `[out/p]` or None
+    -> `[s, b, out/p]`. Backward: dX reduce-scattered back to `[s/p, b, in]`. `overlap=True`
+    runs the ring version. A group of one rank (or None) is a plain `F.linear`.
+    """
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    fn = _RingAllGatherGemm if overlap else _AllGatherGemm
+    return fn.apply(x, weight, bias, group)
+
+
+def row_parallel_linear(x, weight, bias, group, overlap=False):
+    """`x W^T` with this rank's columns of W, reduce-scattered along the sequence, plus b.
+
+    x `[s, b, in/p]` (this rank's features), weight `[out, in/p]`, bias `[out]` (replicated)
+    or None -> `[s/p, b, out]`, this rank's rows of the sum over ranks. Backward: dY is
+    all-gathered along the sequence. s must be a multiple of the group size. `overlap=True`
+    runs the ring version. A group of one rank (or None) is a plain `F.linear`.
+    """
+    p = group_size(group)
+    if p == 1:
+        return F.linear(x, weight, bias)
+    if x.shape[0] % p:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the "
+                         f"tensor-parallel size {p}")
+    fn = _GemmRingReduceScatter if overlap else _GemmReduceScatter
+    return fn.apply(x, weight, bias, group)
 
 
 class _ParallelLinear(nn.Module):
@@ -222,9 +251,10 @@ class _ParallelLinear(nn.Module):
             self.bias = mark_tensor_parallel(
                 nn.Parameter(torch.zeros(n_bias, device=device, dtype=dtype)),
                 0 if split_dim == 0 else None)
-        # nn.Linear's default init, with the fan-in of the *full* layer.
+        # nn.Linear's default init of the *full* weight, of which this rank keeps its slice.
         bound = 1 / math.sqrt(in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
+        init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
+                        tp_group)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -242,8 +272,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype)
 
     def forward(self, x):
-        fn = _RingAllGatherGemm if self.overlap else _AllGatherGemm
-        return fn.apply(x, self.weight, self.bias, self.tp_group)
+        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -258,11 +287,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype)
 
     def forward(self, x):
-        if x.shape[0] % self.tp_size:
-            raise ValueError(f"sequence length {x.shape[0]} is not divisible by the "
-                             f"tensor-parallel size {self.tp_size}")
-        fn = _GemmRingReduceScatter if self.overlap else _GemmReduceScatter
-        return fn.apply(x, self.weight, self.bias, self.tp_group)
+        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
 
 
 def column_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
@@ -281,5 +306,5 @@ def row_linear(in_features, out_features, tp_group=None, overlap=False, bias=Fal
                              overlap=overlap)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_linear", "row_linear",
-           "mark_tensor_parallel", "group_rank"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_linear",
+           "column_parallel_linear", "row_linear", "row_parallel_linear"]

@@ -9,13 +9,21 @@ b = batch. Rank r owns vocabulary rows `r*V/p:(r+1)*V/p` (its "shard") of
   model, never exist on any rank.
 
 With `tie_embeddings` both are one weight; the shards line up because both split the same rows.
+
+Token ids and labels out of range would be masked on every rank and silently become zero
+embeddings or wrong losses, so they are checked, on the host: `check_ids=None` (the default)
+checks a CPU tensor on every call, which costs nothing, and leaves a GPU tensor alone, because
+reading it would make the host wait for the device on every step; `True` checks either (one
+device-to-host copy per call on a GPU), `False` neither (the caller checked already, as
+`Transformer` does once per call).
 """
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
-from .parallel_linear import mark_tensor_parallel
+from .sharding import init_from_full_, mark_tensor_parallel
 
 
 def vocab_range(vocab_size, group):
@@ -25,10 +33,14 @@ def vocab_range(vocab_size, group):
     return start, start + shard
 
 
-def _check_ids(ids, vocab_size, what, ignore_index=None):
-    """Out-of-range ids would be masked on every rank and silently become zeros or wrong
-    losses; the ids are the same on every rank, so every rank raises here, before any
-    collective."""
+def check_token_ids(ids, vocab_size, what, ignore_index=None, check_ids=None):
+    """Raise one line naming the first id outside 0..vocab_size-1 (ignore_index aside).
+
+    The ids are the same on every rank, so every rank raises here, before any collective.
+    `check_ids`: see the module docstring (None: only when `ids` is on the CPU).
+    """
+    if check_ids is False or (check_ids is None and ids.device.type != "cpu"):
+        return
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore_index is not None:
         bad &= ids != ignore_index
@@ -38,13 +50,12 @@ def _check_ids(ids, vocab_size, what, ignore_index=None):
         raise ValueError(f"{what} {value} is out of range: valid are 0..{vocab_size - 1}{extra}")
 
 
-def check_loss_arguments(labels, vocab_size, ignore_index, label_smoothing, reduction):
-    """What F.cross_entropy would refuse, refused here with one line, before any collective."""
+def check_loss_options(label_smoothing, reduction):
+    """What F.cross_entropy would refuse of its options, refused here with one line."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}: valid are 'mean', 'sum', 'none'")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0")
-    _check_ids(labels, vocab_size, "label", ignore_index)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -61,21 +72,22 @@ class VocabParallelEmbedding(nn.Module):
     those of its own vocabulary rows.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, tp_group, device=None, dtype=None):
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group, check_ids=None, device=None,
+                 dtype=None):
         super().__init__()
         p = group_size(tp_group)
         if num_embeddings % p:
             raise ValueError(f"num_embeddings={num_embeddings} is not divisible by the "
                              f"tensor-parallel size {p}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_group = tp_group
+        self.tp_group, self.check_ids = tp_group, check_ids
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
-        nn.init.normal_(self.weight)  # nn.Embedding's default
+        init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
 
     def forward(self, input_ids):
-        _check_ids(input_ids, self.num_embeddings, "token id")
+        check_token_ids(input_ids, self.num_embeddings, "token id", check_ids=self.check_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)  # any valid row
         x = F.embedding(local_ids, self.weight)  # [s, b, h]
@@ -113,9 +125,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_local, labels, group, vocab_size, ignore_index, label_smoothing):
         start, end = vocab_range(vocab_size, group)
         z = logits_local.float()
-        m = z.max(dim=-1).values  # [N]
-        if group_size(group) > 1:
-            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        m = all_reduce_(z.max(dim=-1).values, group, op=dist.ReduceOp.MAX)  # [N]
         z = z - m.unsqueeze(-1)  # [N, V/p], all <= 0
         exp = z.exp()
 
@@ -152,7 +162,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index=-100,
-                                 label_smoothing=0.0, reduction="mean"):
+                                 label_smoothing=0.0, reduction="mean", check_ids=None):
     """`F.cross_entropy(full_logits, labels, ...)` computed from this rank's logit columns.
 
     logits_local `[..., V/p]` (this rank's vocabulary shard, as from a ColumnParallelLinear
@@ -160,12 +170,14 @@ def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index
     would on the full `[..., V]` logits, in fp32 and the same on every rank: `reduction="mean"`
     averages over the tokens whose label is not ignore_index (nan if there are none, as in
     PyTorch), "sum" adds them, "none" gives the `[...]` per-token losses (0 where ignored).
+    `check_ids` decides when the labels are range-checked (see the module docstring).
     """
     if labels.shape != logits_local.shape[:-1]:
         raise ValueError(f"labels of shape {list(labels.shape)} do not match logits of shape "
                          f"{list(logits_local.shape)} (expected {list(logits_local.shape[:-1])})")
     vocab_size = logits_local.shape[-1] * group_size(tp_group)
-    check_loss_arguments(labels, vocab_size, ignore_index, label_smoothing, reduction)
+    check_loss_options(label_smoothing, reduction)
+    check_token_ids(labels, vocab_size, "label", ignore_index, check_ids)
     loss = _VocabParallelCrossEntropy.apply(
         logits_local.reshape(-1, logits_local.shape[-1]), labels.reshape(-1), tp_group,
         vocab_size, ignore_index, float(label_smoothing))  # [N]

@@ -12,8 +12,12 @@ Each op is one or two *phases*, a ring transfer paired with the GEMMs that can r
 For every op we time, with the same ring transfers and the same GEMMs:
 
     T_comm     the ring transfers alone            T_gemm     the GEMMs alone
-    T_seq      transfers, then GEMMs (no overlap)  T_overlap  the package's ring Function
-    T_basic    the non-overlapped Function (whole collectives), for reference
+    T_seq      transfers, then GEMMs (no overlap)  T_overlap  the package's op, overlap=True
+    T_basic    the package's op, overlap=False (whole collectives), for reference
+
+T_overlap and T_basic time the public ops (`column_parallel_linear`, `row_parallel_linear`)
+as training runs them: a forward through autograd, or a backward through `torch.autograd.grad`
+on a graph built once, so the code timed is the package's own.
 
     hidden = (T_seq - T_overlap) / min(T_comm, T_gemm)   1.0: all the hideable time is hidden
     T_overlap / max(T_comm, T_gemm)                      1.0: the physical limit of overlap
@@ -33,16 +37,14 @@ every core already running a rank's GEMM, that CPU time C_comm can only be taken
 so at best  hidden <= 1 - C_comm / T_comm.
 """
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from .comm import Ring, ring_reduce_scatter
-from .initialize import current_device
+from ..initialize import current_device
+from ..parallel_linear import column_parallel_linear, row_parallel_linear
+from ..ring import Ring, ring_reduce_scatter
 from .metrics import synchronize
-from .parallel_linear import (_AllGatherGemm, _GemmReduceScatter, _GemmRingReduceScatter,
-                              _RingAllGatherGemm)
 
 OPS = {
     "column_fwd": "AG+GEMM, column forward",
@@ -54,11 +56,17 @@ VARIANTS = ("comm", "gemm", "seq", "overlap", "basic")
 TARGET_COMM_OVER_GEMM = 0.4  # calibration: comm is 40% of the GEMM (why: see choose_ffn)
 
 
-def _ctx(*saved, group):
-    """A stand-in for autograd's ctx: lets us call a Function's forward/backward directly,
-    timing exactly the package's code without the autograd engine around it."""
-    return SimpleNamespace(saved_tensors=saved, group=group, has_bias=False,
-                           save_for_backward=lambda *t: None)
+def _forward(op, x, w, group):
+    """The op's forward, both schedules: {overlap: zero-argument callable}."""
+    return {overlap: (lambda o=overlap: op(x, w, None, group, o)) for overlap in (False, True)}
+
+
+def _backward(op, x, w, dy, group):
+    """The op's backward, both schedules, each on a graph built once here (a collective: every
+    rank builds its ops in the same order) and replayed: the grads of x and w from dy."""
+    graphs = {overlap: op(x, w, None, group, overlap) for overlap in (False, True)}
+    return {overlap: (lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+            for overlap, y in graphs.items()}
 
 
 def _ring_gather_into(full, ring, n):
@@ -79,51 +87,45 @@ class _Op:
         n = s // p
         ring = Ring(group, device)
         self.seq_comm_s = []
-        new = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+        new = lambda *shape, grad=False: torch.randn(  # noqa: E731
+            *shape, device=device, dtype=dtype).requires_grad_(grad)
         mm = lambda a, b_, out: torch.mm(a.reshape(-1, a.shape[-1]), b_,  # noqa: E731
                                          out=out.view(-1, out.shape[-1]))
         if name == "column_fwd":
-            x_r, w = new(n, b, h), new(f // p, h)
+            x_r, w = new(n, b, h, grad=True), new(f // p, h, grad=True)
             x_full, y = new(s, b, h), new(s, b, f // p)
-            x_full[r * n:(r + 1) * n] = x_r
+            x_full[r * n:(r + 1) * n] = x_r.detach()
             self.phases = [(lambda: _ring_gather_into(x_full, ring, n),
-                            lambda: mm(x_full, w.t(), y), "comm first")]
-            self.overlap = lambda: _RingAllGatherGemm.forward(_ctx(group=group), x_r, w, None,
-                                                              group)
-            self.basic = lambda: _AllGatherGemm.forward(_ctx(group=group), x_r, w, None, group)
+                            lambda: mm(x_full, w.detach().t(), y), "comm first")]
+            schedules = _forward(column_parallel_linear, x_r, w, group)
         elif name == "row_fwd":
-            x, w = new(s, b, f // p), new(h, f // p)
+            x, w = new(s, b, f // p, grad=True), new(h, f // p, grad=True)
             part = new(s, b, h)
             self.phases = [(lambda: ring_reduce_scatter(lambda c: part[c * n:(c + 1) * n], ring),
-                            lambda: mm(x, w.t(), part), "gemm first")]
-            self.overlap = lambda: _GemmRingReduceScatter.forward(_ctx(group=group), x, w, None,
-                                                                  group)
-            self.basic = lambda: _GemmReduceScatter.forward(_ctx(group=group), x, w, None, group)
+                            lambda: mm(x.detach(), w.detach().t(), part), "gemm first")]
+            schedules = _forward(row_parallel_linear, x, w, group)
         elif name == "row_bwd":
-            x, w, dy_r = new(s, b, f // p), new(h, f // p), new(n, b, h)
+            x, w, dy_r = new(s, b, f // p, grad=True), new(h, f // p, grad=True), new(n, b, h)
             dy_full, dx, dw = new(s, b, h), new(s, b, f // p), new(h, f // p)
             dy_full[r * n:(r + 1) * n] = dy_r
             self.phases = [(lambda: _ring_gather_into(dy_full, ring, n),
-                            lambda: (mm(dy_full, w, dx),
-                                     mm(dy_full.flatten(0, 1).t(), x.flatten(0, 1), dw)),
+                            lambda: (mm(dy_full, w.detach(), dx),
+                                     mm(dy_full.flatten(0, 1).t(), x.detach().flatten(0, 1), dw)),
                             "comm first")]
-            ctx = _ctx(x, w, group=group)
-            self.overlap = lambda: _GemmRingReduceScatter.backward(ctx, dy_r)
-            self.basic = lambda: _GemmReduceScatter.backward(ctx, dy_r)
+            schedules = _backward(row_parallel_linear, x, w, dy_r, group)
         elif name == "column_bwd":
-            x_r, w, dy = new(n, b, h), new(f // p, h), new(s, b, f // p)
+            x_r, w, dy = new(n, b, h, grad=True), new(f // p, h, grad=True), new(s, b, f // p)
             x_full, dw, dx_full = new(s, b, h), new(f // p, h), new(s, b, h)
-            x_full[r * n:(r + 1) * n] = x_r
+            x_full[r * n:(r + 1) * n] = x_r.detach()
             self.phases = [
                 (lambda: _ring_gather_into(x_full, ring, n),
                  lambda: mm(dy.flatten(0, 1).t(), x_full.flatten(0, 1), dw), "comm first"),
                 (lambda: ring_reduce_scatter(lambda c: dx_full[c * n:(c + 1) * n], ring),
-                 lambda: mm(dy, w, dx_full), "gemm first")]
-            ctx = _ctx(x_r, w, group=group)
-            self.overlap = lambda: _RingAllGatherGemm.backward(ctx, dy)
-            self.basic = lambda: _AllGatherGemm.backward(ctx, dy)
+                 lambda: mm(dy, w.detach(), dx_full), "gemm first")]
+            schedules = _backward(column_parallel_linear, x_r, w, dy, group)
         else:
             raise ValueError(f"unknown op {name!r}; valid: {', '.join(OPS)}")
+        self.basic, self.overlap = schedules[False], schedules[True]
 
     def comm(self):
         for comm, _, _ in self.phases:
@@ -187,29 +189,29 @@ def choose_ffn(s, b, h, group, device, dtype, ratio=TARGET_COMM_OVER_GEMM):
 
 
 def run(spec):
-    """On every rank: calibrate (unless spec["bench_shape"] is given) and time every op.
+    """On every rank: calibrate (unless spec.bench_shape is given) and time every op.
     Returns this rank's raw per-iteration times (the slowest rank's are taken later)."""
     group = dist.group.WORLD
     device = current_device()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = spec.torch_dtype
     torch.manual_seed(1234)
-    if spec.get("bench_shape"):
-        s, b, h, f = spec["bench_shape"]
+    if spec.bench_shape:
+        s, b, h, f = spec.bench_shape
         calibrated = False
     else:
-        s, b, h = spec["seq"], spec["batch"], spec["config"].hidden_size
+        s, b, h = spec.seq, spec.batch, spec.config.hidden_size
         f = choose_ffn(s, b, h, group, device, dtype)
         calibrated = True
     raw = {}
     for name in OPS:
         op = _Op(name, s, b, h, f, group, device, dtype)
         fns = {v: getattr(op, v) for v in VARIANTS}
-        for _ in range(spec.get("bench_warmup", 3)):
+        for _ in range(spec.bench_warmup):
             for fn in fns.values():
                 fn()
         times = {v: [] for v in VARIANTS}
         cpu, cpu_main = [], []
-        for _ in range(spec.get("bench_iters", 30)):
+        for _ in range(spec.bench_iters):
             for variant, fn in fns.items():  # interleaved: slow drifts in load hit all alike
                 wall, proc, main = _timed(fn, device, group)
                 times[variant].append(wall)
@@ -224,7 +226,7 @@ def run(spec):
                      "seq_comm": op.seq_comm_s[-len(times["seq"]):], "phases": phases}
     p = dist.get_world_size(group)
     return {"shape": {"s": s, "b": b, "h": h, "f": f, "p": p, "calibrated": calibrated,
-                      "dtype": spec["dtype"]},
+                      "dtype": spec.dtype},
             "raw": raw, "device": device.type}
 
 

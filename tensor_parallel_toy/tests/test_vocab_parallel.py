@@ -9,17 +9,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensor_parallel_toy import ModelConfig, Transformer
-from tensor_parallel_toy.testing import (assert_errors, assert_matches_baseline, compare_on_world,
-                                         max_rel_error)
+from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
 from tensor_parallel_toy.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-FP32_TOL = 1e-5
+from .helpers import (FP32_TOL, assert_errors, assert_matches_baseline, compare_on_world,
+                      max_rel_error, world)
+
 VOCAB, TOKENS = 24, 20  # 24: divisible by 2, 3 and 4
-
-
-def _world():
-    group = dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group)
 
 
 def _logits_and_labels(ignore_index, seed=0):
@@ -36,7 +32,7 @@ def _logits_and_labels(ignore_index, seed=0):
 def _on_rank_cross_entropy():
     """Loss and dlogits of every (ignore_index, label_smoothing, reduction) against
     F.cross_entropy in fp64 on the full logits."""
-    group, p, r = _world()
+    group, p, r = world()
     errors = {}
     for ignore_index in (-100, 3):  # 3: a real class, ignored anyway
         for smoothing in (0.0, 0.1):
@@ -78,8 +74,7 @@ class _LargestTensor(TorchDispatchMode):
 def _on_rank_largest_tensor_in_loss(use_full_logits):
     """Largest tensor created by forward + backward of the loss, against the local logits'
     size. `use_full_logits` gathers them first: what the vocab-parallel loss must not do."""
-    from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
-    group, p, r = _world()
+    group, p, r = world()
     logits, labels = _logits_and_labels(-100)
     local = logits.chunk(p, dim=-1)[r].clone().requires_grad_()
     with _LargestTensor() as mode:
@@ -109,7 +104,7 @@ def _on_rank_largest_tensor_in_model_loss(use_full_logits):
 
 def _on_rank_embedding():
     """VocabParallelEmbedding against nn.Embedding (fp64): output rows and weight gradient."""
-    group, p, r = _world()
+    group, p, r = world()
     seq, batch, dim = 12, 2, 6
     gen = torch.Generator().manual_seed(1)
     table = torch.randn(VOCAB, dim, generator=gen)
@@ -130,7 +125,7 @@ def _on_rank_embedding():
 
 def _on_rank_bad_inputs():
     """Each must raise one ValueError on every rank before any collective."""
-    group, p, _ = _world()
+    group, p, _ = world()
     config = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=1, num_heads=4,
                          ffn_hidden_size=24, max_seq_len=16)
     model = Transformer(config, tp_group=group)

@@ -9,8 +9,9 @@ from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.data_parallel import (average_gradients, data_parallel_loss,
                                                destroy_mesh_2d, init_mesh_2d, split_batch)
-from tensor_parallel_toy.testing import MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch
-from tensor_parallel_toy.utils import grad_norm
+from tensor_parallel_toy.sharding import grad_norm
+
+from .helpers import MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)

@@ -24,11 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import bench_overlap, dtensor_tp, plots, report, timeline, train
-from .config import ModelConfig, check_seq_len
+from .. import dtensor_tp
+from ..config import ModelConfig, check_seq_len
+from ..initialize import WorkerPool, choose_backend, init_from_env, shutdown
+from . import bench_overlap, plots, report, timeline, train
 from .data import CORPUS_VOCAB
-from .initialize import WorkerPool, choose_backend, init_from_env, shutdown
 from .output import write_text
+from .spec import DTYPES, MODEL_DEFAULTS, MODES, ProfileSpec
 
 PROG = "python -m tensor_parallel_toy profile"
 PHASE_TIMEOUT_S = 3600.0
@@ -44,43 +46,53 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
+    d, m = ProfileSpec(), MODEL_DEFAULTS  # every default is defined there, once
     p = _Parser(prog=PROG, description="Train the baseline, hand-written TP (with and without "
                 "overlap) and PyTorch DTensor TP side by side on the same data and weights; "
                 "benchmark the overlap per op; draw the timeline.")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 2; "
-                   "under torchrun the world size)")
-    p.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="first steps left out of the timing statistics, at least 1 "
-                        "(default 5)")
-    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}; "
+                   f"under torchrun the world size)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help=f"training steps per mode (default {d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help=f"first steps left out of the timing statistics, at least 1 "
+                        f"(default {d.warmup})")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"global batch size (default {d.batch})")
+    p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
+    p.add_argument("--hidden", type=int, default=m["hidden_size"],
+                   help=f"hidden size (default {m['hidden_size']})")
+    p.add_argument("--layers", type=int, default=m["num_layers"],
+                   help=f"transformer blocks (default {m['num_layers']})")
+    p.add_argument("--heads", type=int, default=m["num_heads"],
+                   help=f"attention heads (default {m['num_heads']})")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for grouped-query "
                    "attention (default: --heads, i.e. multi-head)")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="one weight for the embedding and the LM head (not with dtensor)")
-    p.add_argument("--ffn", type=int, default=1024, help="MLP hidden size (default 1024)")
-    p.add_argument("--vocab", type=int, default=256, help=f"vocabulary size, at least "
-                   f"{CORPUS_VOCAB} for the ASCII corpus (default 256)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (default fp32)")
+    p.add_argument("--ffn", type=int, default=m["ffn_hidden_size"],
+                   help=f"MLP hidden size (default {m['ffn_hidden_size']})")
+    p.add_argument("--vocab", type=int, default=m["vocab_size"], help=f"vocabulary size, at "
+                   f"least {CORPUS_VOCAB} for the ASCII corpus (default {m['vocab_size']})")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help=f"AdamW learning rate (default {d.lr:g})")
+    p.add_argument("--dtype", default=d.dtype, help=f"{' or '.join(DTYPES)} (default {d.dtype})")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: one GPU "
                    "per rank when there are enough, else CPU)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
-    p.add_argument("--modes", default=",".join(train.MODES),
-                   help=f"comma-separated subset of {','.join(train.MODES)} (default all)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per TP rank "
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {','.join(MODES)} (default all)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per TP rank "
                    "(default: CPU cores / TP size)")
-    p.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
-    p.add_argument("--bench-iters", type=int, default=60, help="timed rounds per op in the "
-                   "overlap benchmark, 0 to skip it (default 60)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"weights and data seed (default {d.seed})")
+    p.add_argument("--bench-iters", type=int, default=d.bench_iters, help=f"timed rounds per op "
+                   f"in the overlap benchmark, 0 to skip it (default {d.bench_iters})")
     p.add_argument("--bench-shape", default=None, metavar="S,B,H,F", help="overlap benchmark "
                    "shapes (default: the model's s, b, h and an f calibrated on this machine)")
-    p.add_argument("--timeline-iters", type=int, default=5, help="recordings of the timeline "
-                   "per mode, the median one is drawn; 0 to skip (default 5)")
+    p.add_argument("--timeline-iters", type=int, default=d.timeline_iters, help=f"recordings of "
+                   f"the timeline per mode, the median one is drawn; 0 to skip (default "
+                   f"{d.timeline_iters})")
     p.add_argument("--trace", action="store_true",
                    help="also export a torch.profiler Chrome trace of one step per TP mode")
     return p
@@ -105,7 +117,7 @@ def parse_args(argv, env=os.environ):
             raise UsageError(f"--tp {args.tp} does not match torchrun's world size {world}; "
                              f"the TP group is the whole world here")
         args.tp = world
-    args.tp = 2 if args.tp is None else args.tp
+    args.tp = ProfileSpec.tp if args.tp is None else args.tp
     _check_int("tp", args.tp, 2, 64)
     _check_int("steps", args.steps, 2, 100_000)
     if args.warmup < 1:
@@ -121,16 +133,16 @@ def parse_args(argv, env=os.environ):
     _check_int("timeline-iters", args.timeline_iters, 0)
     if not args.lr > 0:
         raise UsageError(f"--lr {args.lr}: must be a positive number")
-    if args.dtype not in train.DTYPES:
-        raise UsageError(f"--dtype {args.dtype!r}: valid: {', '.join(train.DTYPES)}")
+    if args.dtype not in DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r}: valid: {', '.join(DTYPES)}")
     if args.vocab < CORPUS_VOCAB:
         raise UsageError(f"--vocab {args.vocab}: the corpus is ASCII text, token ids go up to "
                          f"{CORPUS_VOCAB - 1}; use --vocab {CORPUS_VOCAB} or more")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in train.MODES]
+    bad = [m for m in modes if m not in MODES]
     if not modes or bad:
-        raise UsageError(f"--modes {args.modes!r}: valid modes are {', '.join(train.MODES)}")
-    args.modes = [m for m in train.MODES if m in modes]  # always in the canonical order
+        raise UsageError(f"--modes {args.modes!r}: valid modes are {', '.join(MODES)}")
+    args.modes = [m for m in MODES if m in modes]  # always in the canonical order
     try:
         args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                   num_layers=args.layers, num_heads=args.heads,
@@ -153,6 +165,14 @@ def parse_args(argv, env=os.environ):
     if args.threads is not None:
         _check_int("threads", args.threads, 1, 1024)
     _check_out(args.out)
+    args.spec = ProfileSpec(
+        config=args.config, tp=args.tp, steps=args.steps, warmup=args.warmup, batch=args.batch,
+        seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
+        threads=args.threads, baseline_threads=os.cpu_count() or 1,
+        bench_iters=args.bench_iters,
+        bench_shape=None if args.bench_shape is None else tuple(args.bench_shape),
+        timeline_iters=args.timeline_iters,
+        trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
 
 
@@ -220,7 +240,9 @@ def _busy_cpu_seconds():
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-class _PoolRunner:
+class PoolRunner:
+    """Runs a phase on every rank of a local `WorkerPool`; the results come back here."""
+
     def __init__(self, pool):
         self.pool, self.rank = pool, 0
 
@@ -228,7 +250,7 @@ class _PoolRunner:
         return self.pool.run(fn, *args, timeout_s=PHASE_TIMEOUT_S)
 
 
-class _TorchrunRunner:
+class TorchrunRunner:
     """Every rank runs the phase; the per-rank results are gathered on every rank."""
 
     def __init__(self):
@@ -252,7 +274,7 @@ class _LoadMeter:
 
     def __init__(self, runner):
         self.runner = runner
-        self.enabled = isinstance(runner, _PoolRunner) and _busy_cpu_seconds() is not None
+        self.enabled = isinstance(runner, PoolRunner) and _busy_cpu_seconds() is not None
 
     def __enter__(self):
         if self.enabled:
@@ -268,30 +290,26 @@ class _LoadMeter:
             self.cores = max(0.0, (busy - self.busy - ours) / (wall - self.wall))
 
 
-def _profile(runner, args):
+def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
-    threads = runner.run(_threads, args.threads)
-    spec = {"config": args.config, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-            "lr": args.lr, "dtype": args.dtype, "seed": args.seed, "progress": True,
-            "baseline_threads": os.cpu_count() or 1, "bench_shape": args.bench_shape,
-            "bench_iters": args.bench_iters, "timeline_iters": args.timeline_iters,
-            "trace_dir": os.path.abspath(args.out) if args.trace else None}
-    phases = len(args.modes) + (args.bench_iters > 0) + (args.timeline_iters > 0)
-    tokens = args.batch * args.seq
+    spec = args.spec
+    threads = runner.run(_threads, spec.threads)
+    phases = len(spec.modes) + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
+    tokens = spec.batch * spec.seq
     modes, load, k = {}, {}, 0
     with _LoadMeter(runner) as meter:
-        for mode in args.modes:
+        for mode in spec.modes:
             k += 1
-            who = "rank 0 alone" if mode == "baseline" else f"{args.tp} ranks"
-            _say(runner, f"[{k}/{phases}] {mode} ({who}): {args.steps} steps")
+            who = "rank 0 alone" if mode == "baseline" else f"{spec.tp} ranks"
+            _say(runner, f"[{k}/{phases}] {mode} ({who}): {spec.steps} steps")
             modes[mode] = report.combine_mode(runner.run(train.run_mode, mode, spec),
-                                              args.warmup, tokens)
+                                              spec.warmup, tokens)
     load["modes"] = meter.cores
     report.add_baseline_errors(modes)
     results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes}
-    if args.bench_iters > 0:
+    if spec.bench_iters > 0:
         k += 1
-        _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({args.bench_iters} rounds)")
+        _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({spec.bench_iters} rounds)")
         with _LoadMeter(runner) as meter:
             bench = bench_overlap.summarize(runner.run(bench_overlap.run, spec))
         load["overlap_benchmark"] = meter.cores
@@ -299,15 +317,15 @@ def _profile(runner, args):
         sh = bench["shape"]
         _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} f={sh['f']} "
                      f"p={sh['p']}" + (" (f calibrated)" if sh["calibrated"] else ""))
-    if args.timeline_iters > 0:
+    if spec.timeline_iters > 0:
         k += 1
-        _say(runner, f"[{k}/{phases}] timeline of one block ({args.timeline_iters} recordings "
+        _say(runner, f"[{k}/{phases}] timeline of one block ({spec.timeline_iters} recordings "
                      f"per mode)")
         with _LoadMeter(runner) as meter:
             per_rank = runner.run(timeline.record, spec)
         load["timeline"] = meter.cores
         spans = {mode: [r[mode] for r in per_rank] for mode in per_rank[0]}
-        results["timeline"] = {"iterations": args.timeline_iters,
+        results["timeline"] = {"iterations": spec.timeline_iters,
                                "summary": timeline.summarize(per_rank), "spans": spans}
     results["targets"] = report.evaluate_targets(results)
     return results
@@ -319,7 +337,7 @@ def _meta(args, threads, load):
             "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
             "backend": args.backend, "world_size": args.tp, "tp": args.tp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
-            "baseline_threads": os.cpu_count() or 1, "external_load_cores": load,
+            "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,
             "launcher": "torchrun" if _under_torchrun(os.environ) else "WorkerPool",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}
@@ -389,8 +407,8 @@ def main(argv=None):
     if _under_torchrun(os.environ):
         init_from_env(args.backend, timeout_s=PHASE_TIMEOUT_S)
         try:
-            runner = _TorchrunRunner()
-            results = _profile(runner, args)
+            runner = TorchrunRunner()
+            results = run_phases(runner, args)
         finally:
             shutdown()
         if runner.rank != 0:
@@ -398,7 +416,7 @@ def main(argv=None):
     else:
         print(f"spawning {args.tp} ranks ({args.backend})...", flush=True)
         with WorkerPool(args.tp, backend=args.backend) as pool:
-            results = _profile(_PoolRunner(pool), args)
+            results = run_phases(PoolRunner(pool), args)
     results["meta"]["runtime_s"] = time.perf_counter() - start
     summary = write_outputs(results, args.out)
     print("\n" + summary, end="")

@@ -16,7 +16,7 @@ STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the
 }
 SPAN_COLORS = {"gemm": "#1f77b4", "attention": "#9467bd", "other": "#c8c8c8",
                "post": "#8c564b", "wait": "#d62728", "ring": "#ff7f0e",
-               "all-gather": "#ff7f0e", "reduce-scatter": "#2ca02c"}
+               "all-gather": "#ff7f0e", "reduce-scatter": "#2ca02c", "all-reduce": "#17becf"}
 MiB = 2 ** 20
 
 
@@ -169,8 +169,9 @@ def plot_timeline(spans_by_mode, path, title_extra=""):
     axes[-1, 0].set_xlabel("ms" + title_extra)
     labels = {"post": "posting a transfer", "wait": "blocked waiting for one",
               "ring": "transfer in flight: ring send/recv or all-gather",
-              "reduce-scatter": "reduce-scatter in flight"}
-    handles = [Patch(facecolor=c, alpha=0.55 if k in ("ring", "reduce-scatter") else 1.0,
+              "reduce-scatter": "reduce-scatter in flight", "all-reduce": "all-reduce in flight"}
+    handles = [Patch(facecolor=c, alpha=0.55 if k in ("ring", "reduce-scatter", "all-reduce")
+                     else 1.0,
                      hatch="///" if k == "wait" else None, label=labels.get(k, k))
                for k, c in SPAN_COLORS.items() if k != "all-gather"]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8,

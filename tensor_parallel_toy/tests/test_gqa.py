@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from tensor_parallel_toy import ModelConfig, Transformer
-from tensor_parallel_toy.testing import assert_matches_baseline, compare_on_world, max_rel_error
+
+from .helpers import assert_matches_baseline, compare_on_world, max_rel_error
 
 # 12 query heads of head_dim 4: divisible by TP 2, 3 and 4.
 BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12, ffn_hidden_size=96,

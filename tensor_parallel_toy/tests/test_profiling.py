@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tensor_parallel_toy import data, profile
-from tensor_parallel_toy.bench_overlap import OPS
-from tensor_parallel_toy.metrics import SavedActivationBytes
-from tensor_parallel_toy.train import MODES
+from tensor_parallel_toy.profiling import cli as profile
+from tensor_parallel_toy.profiling import data
+from tensor_parallel_toy.profiling.bench_overlap import OPS
+from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
+from tensor_parallel_toy.profiling.spec import MODES
 
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
         "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
@@ -26,7 +27,7 @@ TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidde
 def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     args = profile.parse_args([*TINY, "--out", str(tmp_path)], env={})
     args.argv = TINY
-    results = profile._profile(profile._PoolRunner(pools(2)), args)
+    results = profile.run_phases(profile.PoolRunner(pools(2)), args)
     results["meta"]["runtime_s"] = 0.0
     summary = profile.write_outputs(results, str(tmp_path))
 
@@ -168,7 +169,7 @@ def test_profile_trains_every_mode_with_grouped_query_attention(pools, tmp_path)
              "--out", str(tmp_path)]
     args = profile.parse_args(flags, env={})
     args.argv = flags
-    results = profile._profile(profile._PoolRunner(pools(2)), args)
+    results = profile.run_phases(profile.PoolRunner(pools(2)), args)
     assert results["config"]["model"]["num_kv_heads"] == 2, results["config"]["model"]
     for mode, d in results["modes"].items():
         if mode != "baseline":

@@ -18,15 +18,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import data, dtensor_tp
-from .initialize import current_device
+from .. import dtensor_tp
+from ..initialize import current_device
+from ..model import Transformer
+from ..sharding import grad_norm
+from . import data
 from .metrics import SavedActivationBytes, now, state_bytes
-from .model import Transformer
 from .output import atomic_path
-from .utils import grad_norm
-
-MODES = ("baseline", "tp", "tp_overlap", "dtensor")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .spec import MODES
 
 
 @functools.lru_cache(maxsize=4)
@@ -101,7 +100,8 @@ class _Progress:
 
 
 def run_mode(mode, spec):
-    """Train `mode` for spec["steps"] steps on this rank; every rank of the TP group calls it.
+    """Train `mode` for spec.steps steps on this rank (spec: a ProfileSpec); every rank of the
+    TP group calls it.
     Returns this rank's per-step lists (loss, grad_norm, step_time_s) and memory, or None on
     ranks that take no part (the baseline runs on rank 0 alone)."""
     group = dist.group.WORLD if dist.is_initialized() else None
@@ -110,7 +110,7 @@ def run_mode(mode, spec):
         return None
     threads = torch.get_num_threads()
     if mode == "baseline":  # the other ranks sit idle: give it the whole machine
-        torch.set_num_threads(spec["baseline_threads"])
+        torch.set_num_threads(spec.baseline_threads)
     try:
         return _train(mode, spec, group, rank)
     finally:
@@ -118,19 +118,19 @@ def run_mode(mode, spec):
 
 
 def _train(mode, spec, group, rank):
-    device, dtype = current_device(), DTYPES[spec["dtype"]]
-    model = build_model(mode, spec["config"], group, device, dtype, spec["seed"])
-    optimizer = make_optimizer(model, spec["lr"])
-    corpus = _corpus(spec["seed"])
+    device, dtype = current_device(), spec.torch_dtype
+    model = build_model(mode, spec.config, group, device, dtype, spec.seed)
+    optimizer = make_optimizer(model, spec.lr)
+    corpus = _corpus(spec.seed)
     aligned = mode != "baseline" and group is not None
-    progress = _Progress(mode, spec["steps"], spec.get("progress", True) and rank == 0)
+    progress = _Progress(mode, spec.steps, spec.progress and rank == 0)
     out = {"rank": rank, "threads": torch.get_num_threads(), "loss": [], "grad_norm": [],
            "step_time_s": []}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(spec["steps"]):
-        ids, labels = (t.to(device) for t in data.batch(corpus, step, spec["batch"],
-                                                        spec["seq"], spec["seed"]))
+    for step in range(spec.steps):
+        ids, labels = (t.to(device) for t in data.batch(corpus, step, spec.batch, spec.seq,
+                                                        spec.seed))
         meter = SavedActivationBytes(model) if step == 0 else None  # step 0 is warm-up
         if aligned:
             dist.barrier(group=group)
@@ -146,7 +146,7 @@ def _train(mode, spec, group, rank):
         progress.update(step, loss, seconds)
     if device.type == "cuda":
         out["memory"]["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    if spec.get("trace_dir") and mode != "baseline":
+    if spec.trace_dir and mode != "baseline":
         _export_trace(mode, model, optimizer, corpus, spec, group, rank, device)
     return out
 
@@ -156,9 +156,9 @@ def _export_trace(mode, model, optimizer, corpus, spec, group, rank, device):
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
-    ids, labels = (t.to(device) for t in data.batch(corpus, spec["steps"], spec["batch"],
-                                                    spec["seq"], spec["seed"]))
+    ids, labels = (t.to(device) for t in data.batch(corpus, spec.steps, spec.batch, spec.seq,
+                                                    spec.seed))
     with profile(activities=activities) as prof:
         train_step(mode, model, optimizer, ids, labels, group)
-    with atomic_path(os.path.join(spec["trace_dir"], f"trace_{mode}_rank{rank}.json")) as tmp:
+    with atomic_path(os.path.join(spec.trace_dir, f"trace_{mode}_rank{rank}.json")) as tmp:
         prof.export_chrome_trace(tmp)

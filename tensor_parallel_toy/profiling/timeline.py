@@ -12,10 +12,10 @@ if the wait did not block, the transfer finished earlier, under the compute befo
 each span is a pair of CUDA events: compute on the current stream, ring transfers on the
 communication stream.
 
-The layers construct their ring and call their collectives through names in
-`parallel_linear`'s namespace; while recording we swap in timed versions there (`_TimedRing`,
-a `Ring` subclass, and wrappers of `all_gather_seq` / `reduce_scatter_seq`) and restore the
-originals afterwards, so the code being timed is the package's own, unmodified.
+Every transfer of the package passes through `comm.transfer`; while recording, a `_Recorder`
+is installed there with `comm.recording`, so every collective and ring step is seen, those of
+the vocabulary-parallel embedding and loss and of the gradient hooks included, and the code
+being timed is the package's own, unmodified.
 """
 import contextlib
 import time
@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import parallel_linear
-from .comm import Ring
-from .initialize import current_device
-from .model import TransformerBlock, rotary_tables
+from .. import comm
+from ..initialize import current_device
+from ..model import TransformerBlock, rotary_tables
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
 
@@ -86,78 +85,52 @@ class _OpTimer(TorchDispatchMode):
         return out
 
 
-class _TimedPending:
-    def __init__(self, pending, clock, start, nbytes):
-        self.pending, self.clock, self.start, self.nbytes = pending, clock, start, nbytes
+class _TimedHandle:
+    """Wraps a posted transfer's handle: its `wait()` is recorded, and ends the transfer's bar."""
+
+    def __init__(self, handle, clock, kind, start, nbytes):
+        self.handle, self.clock, self.kind = handle, clock, kind
+        self.start, self.nbytes = start, nbytes
 
     def wait(self):
         begin = self.clock.stamp()
-        self.pending.wait()
+        self.handle.wait()
         end = self.clock.stamp()
         if not self.clock.cuda:  # on GPU the host never blocks; the comm span has its own end
             self.clock.add("compute", "wait", "wait", begin, end)
-            self.clock.add("comm", "ring", "send/recv", self.start, end, bytes=self.nbytes)
+            self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
+        elif self.kind != "ring":  # a collective on NCCL's stream, ordered by this wait
+            self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
 
 
-def _timed_ring_class(clock):
-    class _TimedRing(Ring):
-        def shift(self, send, recv):
-            start = clock.stamp()
-            pending = super().shift(send, recv)
-            nbytes = send.numel() * send.element_size()
-            if clock.cuda:
-                clock.add("comm", "ring", "send/recv", start, clock.stamp(self.stream),
-                          bytes=nbytes)
-            else:
-                clock.add("compute", "post", "post", start, clock.stamp())
-            return _TimedPending(pending, clock, start, nbytes)
-    return _TimedRing
+class _Recorder:
+    """What `comm.recording` calls for each transfer (see comm.transfer)."""
 
+    def __init__(self, clock):
+        self.clock = clock
 
-class _TimedWork:
-    def __init__(self, work, clock, kind, start, nbytes):
-        self.work, self.clock, self.kind, self.start, self.nbytes = work, clock, kind, start, nbytes
-
-    def wait(self):
-        begin = self.clock.stamp()
-        self.work.wait()
-        end = self.clock.stamp()
-        if not self.clock.cuda:
-            self.clock.add("compute", "wait", "wait", begin, end)
-        self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
-
-
-def _timed_collective(fn, kind, clock):
-    def wrapper(x, group, async_op=False):
+    def transfer(self, kind, nbytes, post, stream=None):
+        clock = self.clock
         start = clock.stamp()
-        out, work = fn(x, group, async_op=async_op)
-        nbytes = x.numel() * x.element_size()
-        if work is None:  # a blocking call (or a group of one): the host waited throughout
+        handle = post()
+        if handle is None:  # a blocking call (or a group of one): the host waited throughout
             end = clock.stamp()
             if not clock.cuda:
                 clock.add("compute", "wait", "wait", start, end)
             clock.add("comm", kind, kind, start, end, bytes=nbytes)
-            return out, None
-        return out, _TimedWork(work, clock, kind, start, nbytes)
-    return wrapper
+            return None
+        if clock.cuda and stream is not None:  # a ring step on its own stream: ends there
+            clock.add("comm", kind, kind, start, clock.stamp(stream), bytes=nbytes)
+        elif not clock.cuda:
+            clock.add("compute", "post", "post", start, clock.stamp())
+        return _TimedHandle(handle, clock, kind, start, nbytes)
 
 
 @contextlib.contextmanager
 def recording(clock):
-    """Swap the timed ring and collectives into parallel_linear, time every op, restore."""
-    names = ("Ring", "all_gather_seq", "reduce_scatter_seq")
-    saved = {n: getattr(parallel_linear, n) for n in names}
-    parallel_linear.Ring = _timed_ring_class(clock)
-    parallel_linear.all_gather_seq = _timed_collective(saved["all_gather_seq"], "all-gather",
-                                                       clock)
-    parallel_linear.reduce_scatter_seq = _timed_collective(saved["reduce_scatter_seq"],
-                                                           "reduce-scatter", clock)
-    try:
-        with _OpTimer(clock):
-            yield clock
-    finally:
-        for n, fn in saved.items():
-            setattr(parallel_linear, n, fn)
+    """Record every transfer of the package and time every op, into `clock`."""
+    with comm.recording(_Recorder(clock)), _OpTimer(clock):
+        yield clock
 
 
 def _record_once(block, x_in, dy, cos, sin, device, group):
@@ -175,21 +148,21 @@ def _record_once(block, x_in, dy, cos, sin, device, group):
 
 def record(spec):
     """On every rank: one TransformerBlock's forward + backward, without and with overlap,
-    recorded `spec["timeline_iters"]` times each (interleaved, so a burst of load from outside
+    recorded `spec.timeline_iters` times each (interleaved, so a burst of load from outside
     hits both alike); keeps, per mode, the recording whose slowest-rank time is the median.
     Returns {"tp": spans, "tp_overlap": spans}, this rank's spans in ms."""
     group, device = dist.group.WORLD, current_device()
-    p, config = dist.get_world_size(group), spec["config"]
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
-    s, b, h = spec["seq"], spec["batch"], config.hidden_size
+    p, config = dist.get_world_size(group), spec.config
+    dtype = spec.torch_dtype
+    s, b, h = spec.seq, spec.batch, config.hidden_size
     cos, sin = (t.to(device) for t in rotary_tables(s, config.head_dim, config.rope_base))
-    gen = torch.Generator().manual_seed(spec["seed"])
+    gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(s // p, b, h, generator=gen).to(device, dtype)  # [s/p, b, h]
     dy = torch.randn(s // p, b, h, generator=gen).to(device, dtype)
     modes = ("tp", "tp_overlap")
     blocks, inputs = {}, {}
     for mode in modes:
-        torch.manual_seed(spec["seed"])
+        torch.manual_seed(spec.seed)
         blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()
@@ -197,7 +170,7 @@ def record(spec):
             with recording(_Clock(device)) if warm == 0 else contextlib.nullcontext():
                 blocks[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
     runs = {mode: [] for mode in modes}
-    for _ in range(spec.get("timeline_iters", 5)):
+    for _ in range(spec.timeline_iters):
         for mode in modes:
             runs[mode].append(_record_once(blocks[mode], inputs[mode], dy, cos, sin, device,
                                            group))

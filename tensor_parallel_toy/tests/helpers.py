@@ -1,18 +1,58 @@
-"""What the tests share: the error measure, and a TP model checked against its baseline.
+"""What the tests share: backends, configs, tolerances, the error measure, and a TP model
+checked against its baseline. Test files import from here, never from one another.
 
-Worker-side functions return error measures, never verdicts; `assert_errors` runs in the
-pytest process and prints the numbers. The error is max |actual - expected| / max |expected|,
-so one tolerance fits tensors of any scale (the policy is in test_tp.py and the README).
+Worker-side functions (`_on_rank_*` in the test files) run inside the ranks of a pool (see
+conftest.py) and return error measures, never verdicts; `assert_errors` runs in the pytest
+process and prints the numbers. The error is max |actual - expected| / max |expected|, so one
+tolerance fits tensors of any scale.
+
+Tolerance policy (README, "Tests and tolerances"):
+- fp32: <= 1e-5, for one layer and for the whole model along three SGD steps. TP changes only
+  the order of additions.
+- bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
+  or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
+A sharding bug gives errors of order 1 in either dtype.
 """
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .initialize import current_device
-from .model import Transformer
-from .utils import grad_norm
+from tensor_parallel_toy.config import ModelConfig
+from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.model import Transformer
+from tensor_parallel_toy.sharding import grad_norm
 
+FP32_TOL = 1e-5  # one layer, fp32, against fp64
 MODEL_FP32_TOL = 1e-5  # whole model in fp32, along SGD steps: measured worst ~1e-6
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+BACKENDS = [
+    pytest.param("gloo", id="gloo"),
+    pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2,
+        reason=f"NCCL tests need >= 2 CUDA GPUs, found {torch.cuda.device_count()}")),
+]
+
+# Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
+CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
+                     ffn_hidden_size=96, max_seq_len=32)
+SEQ, BATCH = 12, 2
+
+
+def world():
+    """(group, size, rank) of the whole world, inside a rank."""
+    group = dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def fixed_batch(seed=7, seq=SEQ):
+    """ids and labels `[BATCH, seq]` of CONFIG's vocabulary on this rank's device, the same on
+    every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)
+    labels = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)
+    return ids.to(current_device()), labels.to(current_device())
 
 
 def max_rel_error(actual, expected):
@@ -41,6 +81,17 @@ def assert_errors(per_rank, tol, what):
     assert not bad, (f"{what}: above tolerance {tol:g}: "
                      + ", ".join(f"{k}={v:.3g} (needs tol >= {v:.3g})" for k, v in bad.items()))
     return worst
+
+
+def assert_bf16(per_rank, what):
+    """Each rank returns {key: (tp_error, single_device_error)} against the same reference."""
+    bad = []
+    for errors in per_rank:
+        for key, (tp_err, base_err) in errors.items():
+            if not tp_err <= 2 * base_err + 1e-2:
+                bad.append(f"{key}: TP bf16 error {tp_err:.3g} vs single-device bf16 "
+                           f"{base_err:.3g} (allowed {2 * base_err + 1e-2:.3g})")
+    assert not bad, f"{what}: " + "; ".join(bad)
 
 
 def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):

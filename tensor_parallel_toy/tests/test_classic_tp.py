@@ -6,17 +6,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tensor_parallel_toy.any_model import apply_tensor_parallel, sync_replicated_gradients
+from tensor_parallel_toy.classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from tensor_parallel_toy.comm import all_gather_dim
-from tensor_parallel_toy.testing import assert_errors, max_rel_error
+from tensor_parallel_toy.sharding import tensor_parallel_dim
 
-FP32_TOL = 1e-5
+from .helpers import FP32_TOL, assert_errors, max_rel_error
 
 
 class FeedForward(nn.Module):
     """A user's block: the layers to split live inside a Sequential, hence dotted paths."""
-    _tp_col = "net.0"
-    _tp_row = "net.2"
+    tp_column = "net.0"
+    tp_row = "net.2"
 
     def __init__(self, dim, hidden):
         super().__init__()
@@ -28,7 +28,8 @@ class FeedForward(nn.Module):
 
 
 class GatedFeedForward(nn.Module):
-    """Two column layers (gate and up) feeding one row layer, without biases."""
+    """Two column layers (gate and up) feeding one row layer, without biases. Declared with the
+    older attribute names, which stay accepted."""
     _tp_col = ("gate", "up")
     _tp_row = "down"
 
@@ -44,8 +45,8 @@ class GatedFeedForward(nn.Module):
 
 class ConvMixer(nn.Module):
     """A vision/weather-style channel MLP made of 1x1 convolutions."""
-    _tp_col = "expand"
-    _tp_row = "project"
+    tp_column = "expand"
+    tp_row = "project"
 
     def __init__(self, channels, hidden):
         super().__init__()
@@ -96,7 +97,7 @@ def _on_rank_compare(which):
     base_params = dict(base.named_parameters())
     sharded = 0
     for name, param in tp.named_parameters():
-        dim = getattr(param, "tensor_parallel_dim", None)
+        dim = tensor_parallel_dim(param)
         sharded += dim is not None
         full = param.grad if dim is None else all_gather_dim(param.grad, dim, group)
         errors["grad:" + name] = max_rel_error(full, base_params[name].grad)
@@ -112,10 +113,12 @@ def test_user_block_after_apply_tensor_parallel_matches_unsharded(pools, which, 
     assert_errors(pools(tp).run(_on_rank_compare, which), FP32_TOL, f"{which} tp={tp}")
 
 
-def _block(col, row=None, col_path="col", row_path="row"):
-    """A model with one block declaring `col_path` / `row_path` (None: not declared)."""
-    attrs = {"_tp_col": col_path} if row_path is None else {"_tp_col": col_path,
-                                                             "_tp_row": row_path}
+def _block(col, row=None, col_path="col", row_path="row", **extra):
+    """A model with one block declaring `col_path` / `row_path` (None: not declared), and
+    any `extra` class attributes."""
+    attrs = {"tp_column": col_path, **extra}
+    if row_path is not None:
+        attrs["tp_row"] = row_path
     block = type("Block", (nn.Module,), attrs)()
     block.col, block.row = col, row if row is not None else nn.Linear(8, 8)
     return nn.Sequential(nn.Linear(8, 8), block)
@@ -130,7 +133,9 @@ BAD = {
     "type": (lambda: _block(nn.Embedding(8, 8)), "Embedding cannot be made column-parallel"),
     "divisible": (lambda: _block(nn.Linear(8, 7)), "out_features=7 is not divisible"),
     "path": (lambda: _block(nn.Linear(8, 8), row_path="rows.0"), "no sublayer 'rows.0'"),
-    "unpaired": (lambda: _block(nn.Linear(8, 8), row_path=None), "_tp_row is missing"),
+    "unpaired": (lambda: _block(nn.Linear(8, 8), row_path=None), "tp_row is missing"),
+    "old and new names disagree": (lambda: _block(nn.Linear(8, 8), _tp_col="row"),
+                                   "declares tp_column='col' and _tp_col='row'"),
     "nothing declared": (lambda: nn.Sequential(nn.Linear(8, 8)), "no block declaring"),
 }
 

@@ -1,8 +1,8 @@
-"""Tensor parallelism for a model of your own: blocks opt in by naming two sublayers.
+"""Classic tensor parallelism for a model of your own: blocks opt in by naming two sublayers.
 
     class FeedForward(nn.Module):
-        _tp_col = "net.0"   # dotted path to the column-parallel layer ("net.0": in a Sequential)
-        _tp_row = "net.2"   # dotted path to the row-parallel layer
+        tp_column = "net.0"   # dotted path to the column-parallel layer ("net.0": in a Sequential)
+        tp_row = "net.2"      # dotted path to the row-parallel layer
 
     apply_tensor_parallel(model, tp_group)   # every such block, converted in place
 
@@ -28,7 +28,11 @@ import torch.nn.functional as F
 
 from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
-from .parallel_linear import mark_tensor_parallel
+from .sharding import mark_tensor_parallel, tensor_parallel_dim
+
+# The class attributes a block declares its layers with; the underscored names are the ones
+# this package first published, still accepted.
+DECLARATIONS = {"tp_column": "_tp_col", "tp_row": "_tp_row"}
 
 
 class _ClassicParallel(nn.Module):
@@ -103,6 +107,16 @@ def _paths(declared):
     return (declared,) if isinstance(declared, str) else tuple(declared)
 
 
+def _declared(block, name):
+    """The block's `tp_column` / `tp_row` (or its older alias), None if it declares neither."""
+    cls, alias = type(block), DECLARATIONS[name]
+    value, old = getattr(cls, name, None), getattr(cls, alias, None)
+    if value is not None and old is not None and _paths(value) != _paths(old):
+        raise ValueError(f"{cls.__name__} declares {name}={value!r} and {alias}={old!r}; "
+                         f"keep one ({alias} is the older name of {name})")
+    return value if value is not None else old
+
+
 def _resolve(block, path, where):
     obj = block
     for part in path.split("."):
@@ -140,7 +154,8 @@ def _check_layer(layer, kind, p, where):
 
 
 def apply_tensor_parallel(model, tp_group):
-    """Convert, in place, the `_tp_col` / `_tp_row` layers of every block that declares them.
+    """Convert, in place, the `tp_column` / `tp_row` layers of every block that declares them
+    (`_tp_col` / `_tp_row` are accepted as their older names).
 
     Each declaration is one dotted path or a tuple of them (e.g. two column layers, gate and
     up, feeding one row layer). The whole model is checked before anything changes, and
@@ -151,13 +166,13 @@ def apply_tensor_parallel(model, tp_group):
     p = group_size(tp_group)
     plan = []
     for name, block in list(model.named_modules()):
-        col, row = getattr(type(block), "_tp_col", None), getattr(type(block), "_tp_row", None)
+        col, row = _declared(block, "tp_column"), _declared(block, "tp_row")
         if col is None and row is None:
             continue
         where = f"{type(block).__name__} at {name!r}" if name else type(block).__name__
         if col is None or row is None:
-            missing = "_tp_row" if row is None else "_tp_col"
-            raise ValueError(f"{where} declares only one of _tp_col/_tp_row ({missing} is "
+            missing = "tp_row" if row is None else "tp_column"
+            raise ValueError(f"{where} declares only one of tp_column/tp_row ({missing} is "
                              f"missing): a column layer needs its row layer to sum its outputs")
         for kind, paths in (("column", _paths(col)), ("row", _paths(row))):
             for path in paths:
@@ -165,7 +180,7 @@ def apply_tensor_parallel(model, tp_group):
                 _check_layer(layer, kind, p, f"{where}, {kind} layer {path!r}")
                 plan.append((block, path, layer, kind))
     if not plan:
-        raise ValueError(f"{type(model).__name__} has no block declaring _tp_col and _tp_row: "
+        raise ValueError(f"{type(model).__name__} has no block declaring tp_column and tp_row: "
                          f"nothing to split")
     for block, path, layer, kind in plan:
         parent_path, _, attr = path.rpartition(".")
@@ -187,7 +202,7 @@ def sync_replicated_gradients(model, tp_group):
     """
     grads = {}
     for param in model.parameters():
-        if param.grad is not None and getattr(param, "tensor_parallel_dim", None) is None:
+        if param.grad is not None and tensor_parallel_dim(param) is None:
             grads.setdefault(param.grad.dtype, []).append(param.grad)
     for same_dtype in grads.values():
         average_over_group_(same_dtype, tp_group)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from tensor_parallel_toy import Transformer, dtensor_tp
-from tensor_parallel_toy.test_tp import CONFIG, MODEL_FP32_TOL, _assert_errors, _batch, _err
+
+from .helpers import CONFIG, MODEL_FP32_TOL, assert_errors, fixed_batch, max_rel_error
 
 TRAP_MIN_ERROR = 1e-2  # a partial sum over half the tokens is off by O(1), not by round-off
 
@@ -41,16 +42,16 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
     errors, trap, raised = {}, {}, []
     note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
     for step in range(steps):
-        ids, labels = _batch(seed=step)
+        ids, labels = fixed_batch(seed=step)
         loss_base = F.cross_entropy(base(ids).flatten(0, 1), labels.flatten())
         loss_base.backward()
         loss_dt = dtensor_tp.loss_and_backward(model, ids, labels)
-        note("loss", _err(loss_dt, loss_base))
+        note("loss", max_rel_error(loss_dt, loss_base))
         for name, param in model.named_parameters():
             grad = param.grad
             if any(isinstance(pl, Partial) for pl in grad.placements):  # the trap, unreduced
                 want = _expected_local(base_params[name].grad, grad, rank, p)
-                trap[name] = min(trap.get(name, 1.0), _err(grad.to_local(), want))
+                trap[name] = min(trap.get(name, 1.0), max_rel_error(grad.to_local(), want))
         try:
             dtensor_tp.grad_norm(model, group)
         except ValueError:
@@ -58,14 +59,14 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
         dtensor_tp.reduce_partial_grads(model)
         for name, param in model.named_parameters():
             grad, want = param.grad, base_params[name].grad
-            note("grad:" + name, _err(grad.full_tensor(), want))
-            note("local grad:" + name, _err(grad.to_local(), _expected_local(want, grad, rank, p)))
+            note("grad:" + name, max_rel_error(grad.full_tensor(), want))
+            note("local grad:" + name, max_rel_error(grad.to_local(), _expected_local(want, grad, rank, p)))
         base_norm = torch.nn.utils.get_total_norm([q.grad for q in base.parameters()])
-        note("grad_norm", _err(torch.tensor(dtensor_tp.grad_norm(model, group)), base_norm))
+        note("grad_norm", max_rel_error(torch.tensor(dtensor_tp.grad_norm(model, group)), base_norm))
         opt_base.step(), opt_dt.step()
         opt_base.zero_grad(), opt_dt.zero_grad()
         for name, param in model.named_parameters():
-            note("param:" + name, _err(param.full_tensor(), base_params[name]))
+            note("param:" + name, max_rel_error(param.full_tensor(), base_params[name]))
     is_dtensor = all(isinstance(q, DTensor) for q in model.parameters())
     return {"errors": errors, "trap": trap, "raised": raised, "all_dtensor": is_dtensor}
 
@@ -75,7 +76,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
 def test_dtensor_mode_loss_every_gradient_and_params_match_baseline(pools, tp, kv_heads):
     steps = 3
     per_rank = pools(tp).run(_on_rank_dtensor_vs_baseline, steps, kv_heads)
-    _assert_errors([r["errors"] for r in per_rank], MODEL_FP32_TOL,
+    assert_errors([r["errors"] for r in per_rank], MODEL_FP32_TOL,
                    f"dtensor tp={tp} kv_heads={kv_heads}")
     config = dataclasses.replace(CONFIG, num_kv_heads=kv_heads or CONFIG.num_heads)
     names = list(dict(Transformer(config).named_parameters()))

@@ -8,8 +8,9 @@ import pytest
 import torch.distributed as dist
 
 from tensor_parallel_toy import ModelConfig, Transformer
-from tensor_parallel_toy.testing import (assert_errors, assert_matches_baseline, compare_on_world,
-                                         max_rel_error, random_batch)
+
+from .helpers import (assert_errors, assert_matches_baseline, compare_on_world, max_rel_error,
+                      random_batch)
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32)

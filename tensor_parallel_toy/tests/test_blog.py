@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOG = os.path.join(ROOT, "blog")
 POST = os.path.join(BLOG, "tensor-parallel-deep-dive.md")
 
@@ -134,7 +134,7 @@ def test_post_results_table_and_summary_match_the_committed_results_json():
     into blog/results without updating the post (or the other way round) fails here."""
     import json
 
-    from tensor_parallel_toy import report
+    from tensor_parallel_toy.profiling import report
 
     with open(os.path.join(BLOG, "results", "results.json"), encoding="utf-8") as f:
         results = json.load(f)

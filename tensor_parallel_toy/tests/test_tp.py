@@ -2,60 +2,28 @@
 
 Functions named `_on_rank_*` run inside the worker ranks (see conftest.py) and return error
 measures, never verdicts: the assertions run here in the pytest process and print the numbers.
-
-Tolerance policy (README, "Tolerances"): every error is the largest absolute difference divided
-by the largest absolute reference value, so one tolerance fits tensors of any scale.
-- fp32: <= 1e-5, for one layer and for the whole model along three SGD steps. TP
-  changes only the order of additions.
-- bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
-  or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
-  A sharding bug gives errors of order 1 in either dtype.
+The tolerance policy is in helpers.py (and the README, "Tests and tolerances").
 """
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
-from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLinear, Transformer
-from tensor_parallel_toy.comm import ring_all_gather, ring_reduce_scatter
-from tensor_parallel_toy.conftest import BACKENDS
+from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelLinear, Transformer,
+                                 column_parallel_linear, row_parallel_linear)
 from tensor_parallel_toy.initialize import current_device
-from tensor_parallel_toy.testing import MODEL_FP32_TOL, assert_errors, max_rel_error
-from tensor_parallel_toy.utils import grad_norm
+from tensor_parallel_toy.ring import ring_all_gather, ring_reduce_scatter
+from tensor_parallel_toy.sharding import grad_norm
 
-FP32_TOL = 1e-5  # one layer
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
-CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
-                     ffn_hidden_size=96, max_seq_len=32)
-SEQ, BATCH = 12, 2
-
-
-_err = max_rel_error  # max |actual - expected| / max |expected|
-_assert_errors = assert_errors
-
-
-def _assert_bf16(per_rank, what):
-    """Each rank returns {key: (tp_error, single_device_error)} against the same reference."""
-    bad = []
-    for errors in per_rank:
-        for key, (tp_err, base_err) in errors.items():
-            if not tp_err <= 2 * base_err + 1e-2:
-                bad.append(f"{key}: TP bf16 error {tp_err:.3g} vs single-device bf16 "
-                           f"{base_err:.3g} (allowed {2 * base_err + 1e-2:.3g})")
-    assert not bad, f"{what}: " + "; ".join(bad)
-
+from .helpers import (BACKENDS, BATCH, CONFIG, DTYPES, FP32_TOL, MODEL_FP32_TOL, SEQ,
+                      assert_bf16, assert_errors, fixed_batch, max_rel_error, world)
 
 # ----------------------------------------------------------------------------------------------
 # Worker side
 # ----------------------------------------------------------------------------------------------
-def _world():
-    group = dist.group.WORLD
-    return group, dist.get_world_size(group), dist.get_rank(group)
-
-
 def _linear_case(in_f, out_f, dtype, bias, seed=1234):
     """Full X, W, b, dY (values exactly representable in `dtype`) and the fp64 reference."""
     gen = torch.Generator().manual_seed(seed)
@@ -99,20 +67,20 @@ def _run_parallel_linear(kind, overlap, bias, dtype, full, group):
 
 
 def _on_rank_check_linear(kind, overlap, bias, dtype_name):
-    group, _, _ = _world()
+    group, _, _ = world()
     dtype = DTYPES[dtype_name]
     in_f, out_f = 24, 36
     full, ref = _linear_case(in_f, out_f, dtype, bias)
     got, want = _run_parallel_linear(kind, overlap, bias, dtype, full, group)
     if dtype == torch.float32:
-        return {k: _err(v, want[k](ref[k])) for k, v in got.items()}
+        return {k: max_rel_error(v, want[k](ref[k])) for k, v in got.items()}
     # bf16: the same computation on one device in bf16, against the same fp64 reference.
     x, w, b, dy = (t.clone() for t in full)
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     y = F.linear(x, w, b if bias else None)
     y.backward(dy)
     single = {"y": y, "dx": x.grad, "dw": w.grad, "db": b.grad}
-    return {k: (_err(v, want[k](ref[k])), _err(want[k](single[k]), want[k](ref[k])))
+    return {k: (max_rel_error(v, want[k](ref[k])), max_rel_error(want[k](single[k]), want[k](ref[k])))
             for k, v in got.items()}
 
 
@@ -125,63 +93,56 @@ def _on_rank_check_linear_on_subgroups(groups):
             full, ref = _linear_case(24, 36, torch.float32, bias=True)
             got, want = _run_parallel_linear(kind, overlap, True, torch.float32, full, mine)
             for k, v in got.items():
-                errors[f"{kind}/overlap={overlap}/{k}"] = _err(v, want[k](ref[k]))
+                errors[f"{kind}/overlap={overlap}/{k}"] = max_rel_error(v, want[k](ref[k]))
     for g in subgroups:
         dist.destroy_process_group(g)
     return errors
-
-
-def _batch(seed=7, seq=SEQ):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)
-    labels = torch.randint(0, CONFIG.vocab_size, (BATCH, seq), generator=gen)  # global labels
-    return ids.to(current_device()), labels.to(current_device())
 
 
 def _on_rank_check_model(overlap, steps):
     """Baseline vs TP with the same weights: logits, loss, every full gradient, the grad norm
     and the parameters themselves, along `steps` SGD steps (AdamW would turn round-off in
     gradients near its eps into large parameter differences, whatever the parallelism)."""
-    group, _, _ = _world()
+    group, _, _ = world()
     dev = current_device()
     base = Transformer(CONFIG, seed=0).to(dev)
     tp = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=0).to(dev)
-    errors = {"init:" + k: _err(v, base.state_dict()[k]) for k, v in tp.full_state_dict().items()}
+    errors = {"init:" + k: max_rel_error(v, base.state_dict()[k]) for k, v in tp.full_state_dict().items()}
     loaded = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=99).to(dev)
     loaded.load_full_state_dict(base.state_dict())
-    errors.update({"load:" + k: _err(v, base.state_dict()[k])
+    errors.update({"load:" + k: max_rel_error(v, base.state_dict()[k])
                    for k, v in loaded.full_state_dict().items()})
     opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
     for step in range(steps):
-        ids, labels = _batch(seed=step)
+        ids, labels = fixed_batch(seed=step)
         logits_base = base(ids)
         loss_base = F.cross_entropy(logits_base.flatten(0, 1), labels.flatten())
         loss_base.backward()
         logits_tp = tp(ids)
         loss_tp = tp.loss(ids, labels)
         loss_tp.backward()
-        note("logits", _err(logits_tp, logits_base))
-        note("loss", _err(loss_tp, loss_base))
+        note("logits", max_rel_error(logits_tp, logits_base))
+        note("loss", max_rel_error(loss_tp, loss_base))
         for name, grad in tp.full_grads().items():
-            note("grad:" + name, _err(grad, dict(base.named_parameters())[name].grad))
+            note("grad:" + name, max_rel_error(grad, dict(base.named_parameters())[name].grad))
         base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
-        note("grad_norm", _err(torch.tensor(grad_norm(tp, group)), base_norm))
+        note("grad_norm", max_rel_error(torch.tensor(grad_norm(tp, group)), base_norm))
         opt_base.step(), opt_tp.step()
         opt_base.zero_grad(), opt_tp.zero_grad()
     for name, value in tp.full_state_dict().items():
-        note("param:" + name, _err(value, base.state_dict()[name]))
+        note("param:" + name, max_rel_error(value, base.state_dict()[name]))
     return errors
 
 
 def _on_rank_check_model_bf16():
-    group, _, _ = _world()
+    group, _, _ = world()
     dev = current_device()
     ref = Transformer(CONFIG, seed=0).to(dev)  # fp32 reference
     base = Transformer(CONFIG, seed=0).to(dev, torch.bfloat16)
     tp = Transformer(CONFIG, tp_group=group, overlap=True, seed=0).to(dev, torch.bfloat16)
-    ids, labels = _batch()
+    ids, labels = fixed_batch()
     results = {}
     for model in (ref, base, tp):
         logits = model(ids)
@@ -190,24 +151,24 @@ def _on_rank_check_model_bf16():
         grads = model.full_grads() if model is tp else {
             n: p.grad for n, p in model.named_parameters()}
         results[model] = {"logits": logits, "loss": loss, **{"grad:" + n: g for n, g in grads.items()}}
-    return {k: (_err(results[tp][k], v), _err(results[base][k], v))
+    return {k: (max_rel_error(results[tp][k], v), max_rel_error(results[base][k], v))
             for k, v in results[ref].items()}
 
 
 def _on_rank_overlap_vs_basic():
-    group, _, _ = _world()
+    group, _, _ = world()
     out = {}
     for overlap in (False, True):
         model = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=3)
-        ids, labels = _batch(seed=11)
+        ids, labels = fixed_batch(seed=11)
         model.loss(ids, labels).backward()
         out[overlap] = {"loss": model.loss(ids, labels).detach(), **model.full_grads()}
-    return {k: _err(out[True][k], v) for k, v in out[False].items()}
+    return {k: max_rel_error(out[True][k], v) for k, v in out[False].items()}
 
 
 def _on_rank_bad_inputs():
     """Each bad size must raise one clear ValueError on every rank before any collective."""
-    group, p, _ = _world()
+    group, p, _ = world()
     messages = {}
 
     def expect_error(key, fn):
@@ -250,14 +211,14 @@ def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dty
     per_rank = pools(tp, backend).run(_on_rank_check_linear, kind, overlap, bias, dtype)
     what = f"{kind} tp={tp} overlap={overlap} bias={bias} {dtype}"
     if dtype == "fp32":
-        _assert_errors(per_rank, FP32_TOL, what)
+        assert_errors(per_rank, FP32_TOL, what)
     else:
-        _assert_bf16(per_rank, what)
+        assert_bf16(per_rank, what)
 
 
 @pytest.mark.parametrize("groups", [[[0, 2], [1, 3]], [[0, 1], [2, 3]]], ids=["strided", "blocks"])
 def test_parallel_linear_on_tp_subgroups(pools, groups):
-    _assert_errors(pools(4).run(_on_rank_check_linear_on_subgroups, groups), FP32_TOL,
+    assert_errors(pools(4).run(_on_rank_check_linear_on_subgroups, groups), FP32_TOL,
                    f"subgroups {groups}")
 
 
@@ -265,7 +226,7 @@ def test_parallel_linear_on_tp_subgroups(pools, groups):
 @pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap, backend):
-    worst = _assert_errors(pools(tp, backend).run(_on_rank_check_model, overlap, 3), MODEL_FP32_TOL,
+    worst = assert_errors(pools(tp, backend).run(_on_rank_check_model, overlap, 3), MODEL_FP32_TOL,
                            f"model tp={tp} overlap={overlap}")
     grads = [k for k in worst if k.startswith("grad:")]
     assert len(grads) == len(dict(Transformer(CONFIG).named_parameters())), grads
@@ -273,11 +234,11 @@ def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap,
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_model_bf16_is_as_accurate_as_single_device_bf16(pools, tp):
-    _assert_bf16(pools(tp).run(_on_rank_check_model_bf16), f"model bf16 tp={tp}")
+    assert_bf16(pools(tp).run(_on_rank_check_model_bf16), f"model bf16 tp={tp}")
 
 
 def test_overlap_equals_basic_to_fp32_roundoff(pools):
-    _assert_errors(pools(4).run(_on_rank_overlap_vs_basic), 5e-6, "overlap vs basic, tp=4")
+    assert_errors(pools(4).run(_on_rank_overlap_vs_basic), 5e-6, "overlap vs basic, tp=4")
 
 
 @pytest.mark.parametrize("tp", [3, 4])
@@ -329,3 +290,47 @@ def test_ring_posts_next_transfer_before_each_gemm(p):
     chunks = [(1 - 1 - k) % p for k in range(p)]
     expected = [f"gemm{chunks[0]}"] + sum((["post", f"gemm{c}", "wait"] for c in chunks[1:]), [])
     assert log == expected, log
+
+
+def _on_rank_standalone_init(seed):
+    """Standalone layers built after the same seed on every rank: their shards, gathered, must
+    be the weight the unsplit PyTorch layer draws after that seed, and the generator must stay
+    in step across ranks."""
+    from tensor_parallel_toy import VocabParallelEmbedding
+    from tensor_parallel_toy.sharding import unshard
+
+    group, _, _ = world()
+    cases = {"column": (lambda: ColumnParallelLinear(24, 36, tp_group=group),
+                        lambda: nn.Linear(24, 36, bias=False)),
+             "row": (lambda: RowParallelLinear(24, 36, tp_group=group),
+                     lambda: nn.Linear(24, 36, bias=False)),
+             "embedding": (lambda: VocabParallelEmbedding(24, 6, tp_group=group),
+                           lambda: nn.Embedding(24, 6))}
+    errors = {}
+    for name, (build_parallel, build_plain) in cases.items():
+        torch.manual_seed(seed)
+        layer = build_parallel()
+        after = torch.rand(8)  # the generator's state after the build, compared across ranks
+        torch.manual_seed(seed)
+        plain = build_plain()
+        errors[name] = max_rel_error(unshard(layer.weight.detach(), layer.weight, group),
+                                     plain.weight)
+        gathered = [torch.empty_like(after) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, after, group=group)
+        errors[name + ": generator out of step"] = max(max_rel_error(g, after) for g in gathered)
+    return errors
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_standalone_layers_are_shards_of_one_layer_initialised_like_pytorch(pools, tp):
+    # nn.Linear's bound comes from kaiming_uniform_'s gain formula: equal up to float round-off.
+    assert_errors(pools(tp).run(_on_rank_standalone_init, 11), 1e-6, f"standalone init tp={tp}")
+
+
+def test_functional_ops_on_a_group_of_one_are_plain_linear():
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen) for shape in ((5, 2, 8), (6, 8), (6,)))
+    for op in (column_parallel_linear, row_parallel_linear):
+        for overlap in (False, True):
+            got = op(x, w, b, None, overlap=overlap)
+            assert torch.equal(got, F.linear(x, w, b)), (op.__name__, overlap)

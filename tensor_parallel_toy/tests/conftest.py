@@ -8,13 +8,6 @@ import torch
 
 from tensor_parallel_toy.initialize import WorkerPool
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo"),
-    pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
-        torch.cuda.device_count() < 2,
-        reason=f"NCCL tests need >= 2 CUDA GPUs, found {torch.cuda.device_count()}")),
-]
-
 
 @pytest.fixture(scope="session")
 def pools():

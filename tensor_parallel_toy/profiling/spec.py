@@ -1,0 +1,45 @@
+"""What one profile run is: the typed spec every phase receives, and its defaults, defined once.
+
+The command line (cli.py) builds a `ProfileSpec` from its flags, whose defaults are read from
+here; the ranks receive it whole (it is pickled to each worker) and read typed fields, so a
+phase cannot ask for a key nobody set, nor find a default that disagrees with the flag's.
+"""
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from ..config import ModelConfig
+
+MODES = ("baseline", "tp", "tp_overlap", "dtensor")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# The profile's model, larger than ModelConfig's defaults: big enough for the GEMMs to matter.
+MODEL_DEFAULTS = {"hidden_size": 256, "num_layers": 2, "num_heads": 8, "ffn_hidden_size": 1024,
+                  "vocab_size": 256}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSpec:
+    config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=128)
+    tp: int = 2
+    steps: int = 60  # training steps per mode
+    warmup: int = 5  # first steps left out of the timing statistics (at least 1)
+    batch: int = 8  # global batch size
+    seq: int = 128  # sequence length
+    lr: float = 1e-3  # AdamW, ramped over the first train.LR_WARMUP_STEPS steps
+    dtype: str = "fp32"  # a key of DTYPES
+    seed: int = 0  # weights and data
+    modes: Tuple[str, ...] = MODES
+    threads: Optional[int] = None  # torch threads per TP rank; None: CPU cores / TP size
+    baseline_threads: int = 1  # the baseline runs alone on rank 0: the cli gives it every core
+    bench_iters: int = 60  # timed rounds per op in the overlap benchmark; 0 skips it
+    bench_warmup: int = 3  # untimed rounds before them
+    bench_shape: Optional[Tuple[int, int, int, int]] = None  # S, B, H, F; None: calibrated
+    timeline_iters: int = 5  # timeline recordings per mode; 0 skips it
+    trace_dir: Optional[str] = None  # where torch.profiler traces go; None: no trace
+    progress: bool = True  # print a line per mode on rank 0
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
