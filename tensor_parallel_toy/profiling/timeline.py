@@ -31,7 +31,7 @@ from ..model import TransformerBlock, rotary_tables
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
 
 
-class _Clock:
+class Clock:
     """Host timestamps on CPU, CUDA events on GPU; `span()` stores either kind."""
 
     def __init__(self, device):
@@ -135,7 +135,7 @@ def recording(clock):
 
 def _record_once(block, x_in, dy, cos, sin, device, group):
     dist.barrier(group=group)  # every rank starts at (nearly) the same time
-    clock = _Clock(device)
+    clock = Clock(device)
     with recording(clock):
         y = block(x_in, cos, sin)
         forward_end = clock.stamp()
@@ -167,7 +167,7 @@ def record(spec):
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()
         for warm in range(2):  # warm-up, the first one recorded and thrown away: the first
-            with recording(_Clock(device)) if warm == 0 else contextlib.nullcontext():
+            with recording(Clock(device)) if warm == 0 else contextlib.nullcontext():
                 blocks[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
     runs = {mode: [] for mode in modes}
     for _ in range(spec.timeline_iters):

@@ -174,3 +174,67 @@ def test_profile_trains_every_mode_with_grouped_query_attention(pools, tmp_path)
     for mode, d in results["modes"].items():
         if mode != "baseline":
             assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+
+
+def test_every_default_is_the_spec_default(tmp_path):
+    """The flags' defaults are read from ProfileSpec, and the spec the ranks get carries the
+    flags: one set of defaults, nowhere else to drift (bench iterations once said 30 in one
+    place and 60 in another)."""
+    from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, ProfileSpec
+
+    default = ProfileSpec()
+    out = ["--out", str(tmp_path)]
+    spec = profile.parse_args(out, env={}).spec
+    for field in ("tp", "steps", "warmup", "batch", "seq", "lr", "dtype", "seed", "modes",
+                  "threads", "bench_iters", "bench_warmup", "bench_shape", "timeline_iters",
+                  "trace_dir"):
+        assert getattr(spec, field) == getattr(default, field), field
+    assert spec.config == default.config
+    assert {k: getattr(spec.config, k) for k in MODEL_DEFAULTS} == MODEL_DEFAULTS
+    changed = profile.parse_args(["--bench-iters", "7", "--timeline-iters", "0", "--seq", "64",
+                                  "--modes", "tp,baseline", *out], env={}).spec
+    assert (changed.bench_iters, changed.timeline_iters, changed.seq, changed.modes) == \
+        (7, 0, 64, ("baseline", "tp")), changed
+
+
+def _on_rank_recorded_transfers(overlap):
+    """Every transfer of one model loss + backward, as the timeline's recorder sees them:
+    {kind: count}, and whether every span is well formed."""
+    import torch.distributed as dist
+
+    from tensor_parallel_toy import ModelConfig, Transformer
+    from tensor_parallel_toy.profiling.timeline import Clock, recording
+
+    config = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
+                         ffn_hidden_size=32, max_seq_len=8)
+    model = Transformer(config, tp_group=dist.group.WORLD, overlap=overlap)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with recording(Clock(torch.device("cpu"))) as clock:
+        model.loss(ids, ids.roll(-1, 1)).backward()
+    counts = {}
+    for span in clock.finish():
+        if span["row"] == "comm":
+            counts[span["kind"]] = counts.get(span["kind"], 0) + 1
+            assert span["end"] >= span["start"] and span["bytes"] > 0, span
+    return counts
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+def test_timeline_sees_every_collective_of_the_model_vocabulary_and_hooks_included(pools,
+                                                                                  overlap):
+    """Counted from the model's structure (L = 2 blocks, p = 2 ranks, no biases):
+    forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head AG; loss 2 AR (max,
+    then the stacked sums). Backward: head AG + RS; final norm hook AR; per block fc2 AG, fc1
+    AG + RS, mlp_norm AR, proj AG, qkv AG + RS, attn_norm AR; embedding AG.
+    Overlapped, every layer's AG and RS become p - 1 ring steps each (the column backward has
+    one ring of each), and the embedding's, the loss's and the hooks' stay collectives."""
+    L, p = 2, 2
+    counts = pools(p).run(_on_rank_recorded_transfers, overlap)
+    if overlap:
+        columns, rows = 2 * L + 1, 2 * L
+        expected = {"ring": (p - 1) * (3 * columns + 2 * rows), "reduce-scatter": 1,
+                    "all-gather": 1, "all-reduce": 2 * L + 3}
+    else:
+        expected = {"reduce-scatter": 4 * L + 2, "all-gather": 6 * L + 3, "all-reduce": 2 * L + 3}
+    for rank, got in enumerate(counts):
+        assert got == expected, f"rank {rank}: recorded {got}, the model makes {expected}"

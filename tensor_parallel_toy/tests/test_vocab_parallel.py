@@ -195,3 +195,55 @@ def test_bad_labels_and_ids_raise_one_clear_error_before_any_collective(pools):
         msg = messages[key]
         assert msg is not None, f"{key}: no error raised"
         assert "\n" not in msg and all(part in msg for part in parts), f"{key}: {msg!r}"
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (on a GPU: a device sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "tolist")
+        return func(*args, **(kwargs or {}))
+
+
+def _on_rank_host_reads():
+    """How often one step reads values back to the host, with the checks on (CPU default) and
+    off (what a GPU batch gets by default); and that the standalone layers still check."""
+    group, _, _ = world()
+    config = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=1, num_heads=4,
+                         ffn_hidden_size=24, max_seq_len=16)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    reads = {}
+    for check_ids in (None, False):
+        model = Transformer(config, tp_group=group, check_ids=check_ids)
+        with _HostReads() as loss_reads:
+            model.loss(ids, ids).backward()
+        with _HostReads() as forward_reads:
+            model(ids)
+        reads[f"check_ids={check_ids}"] = (loss_reads.count, forward_reads.count)
+    messages = {}
+    for key, fn in {
+            "embedding": lambda: VocabParallelEmbedding(VOCAB, 4, tp_group=group)(
+                torch.full((4, 2), VOCAB)),
+            "cross-entropy": lambda: vocab_parallel_cross_entropy(
+                torch.zeros(3, VOCAB // dist.get_world_size(group)), torch.tensor([0, -5, 1]),
+                group)}.items():
+        try:
+            fn()
+            messages[key] = None
+        except ValueError as e:
+            messages[key] = str(e)
+    dist.barrier()
+    return reads, messages
+
+
+def test_the_batch_is_checked_once_per_call_and_never_read_back_when_checks_are_off(pools):
+    reads, messages = pools(2).run(_on_rank_host_reads)[0]
+    # One read per checked tensor: ids and labels in loss, ids in forward; none anywhere else
+    # in forward + backward, so a GPU step (checks off by default) never waits for the device.
+    assert reads == {"check_ids=None": (2, 1), "check_ids=False": (0, 0)}, reads
+    assert messages["embedding"] and f"token id {VOCAB} is out of range" in messages["embedding"]
+    assert messages["cross-entropy"] and "label -5 is out of range" in messages["cross-entropy"]

@@ -1,0 +1,162 @@
+"""The package's three rooms and its import rules, read from the source with `ast`.
+
+- The library (`tensor_parallel_toy/*.py`) imports neither the harness (`profiling/`) nor the
+  tests; the harness does not import the tests; the tests import both (they test both). The
+  command line, `__main__.py`, is the front door that leads to either room and is exempt.
+- No module imports another module's underscore name, nor reads one as `module._name`: a test
+  of that very module (`tests/test_X.py` of module `X`) aside. A module that needs another's
+  private name is a sign the boundary between them is in the wrong place.
+- No test file imports from another test file: what tests share lives in `tests/helpers.py`.
+"""
+import ast
+import os
+
+import pytest
+
+PACKAGE = "tensor_parallel_toy"
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _modules(package_dir):
+    """{dotted module name: file path} of every .py file under the package."""
+    root = os.path.dirname(package_dir)
+    found = {}
+    for folder, _, files in os.walk(package_dir):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                parts = os.path.relpath(path, root)[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                found[".".join(parts)] = path
+    return found
+
+
+def _room(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ("profiling", "tests") else "library"
+
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(module, node, packages):
+    """The absolute name an ImportFrom refers to, from inside `module`."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")
+    if module not in packages:  # a plain module: its own package is one level up
+        package = package[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _tested_module(module):
+    """`tests.test_comm` tests `comm`: the one module whose private names it may read."""
+    last = module.split(".")[-1]
+    return last[len("test_"):] if _room(module) == "tests" and last.startswith("test_") else None
+
+
+def layout_problems(package_dir):
+    """One line per broken rule, naming the file and the import."""
+    modules = _modules(package_dir)
+    packages = {m for m, path in modules.items() if path.endswith("__init__.py")}
+    problems = []
+    for module, path in sorted(modules.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        where = os.path.relpath(path, os.path.dirname(package_dir))
+        module_names = {}  # local name -> package module it is bound to
+
+        def check_target(target, what, line):
+            if not target.startswith(PACKAGE):
+                return
+            room, target_room = _room(module), _room(target)
+            allowed = {"library", room} | ({"profiling"} if room == "tests" else set())
+            if target_room not in allowed and module != f"{PACKAGE}.__main__":
+                problems.append(f"{where}:{line}: {what}: the {room} imports the {target_room}")
+            if (room == "tests" and target_room == "tests" and target != module
+                    and target.split(".")[-1].startswith("test_")):
+                problems.append(f"{where}:{line}: {what}: a test file imports another test file")
+
+        def check_private(target, name, what, line):
+            if (target.startswith(PACKAGE) and _private(name) and target != module
+                    and target.split(".")[-1] != _tested_module(module)):
+                problems.append(f"{where}:{line}: {what}: imports the private name {name!r} "
+                                f"of {target}")
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    check_target(alias.name, f"import {alias.name}", node.lineno)
+                    if alias.asname and alias.name in modules:
+                        module_names[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node, packages)
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    what = f"from {'.' * node.level}{node.module or ''} import {alias.name}"
+                    if full in modules:  # a module, imported by name
+                        check_target(full, what, node.lineno)
+                        module_names[alias.asname or alias.name] = full
+                    else:
+                        check_target(target, what, node.lineno)
+                        check_private(target, alias.name, what, node.lineno)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in module_names):
+                check_private(module_names[node.value.id], node.attr,
+                              f"{node.value.id}.{node.attr}", node.lineno)
+    return problems
+
+
+def test_the_three_rooms_exist():
+    for room in ("profiling", "tests"):
+        assert os.path.isfile(os.path.join(PACKAGE_DIR, room, "__init__.py")), room
+    library = sorted(f for f in os.listdir(PACKAGE_DIR) if f.endswith(".py"))
+    for name in ("comm.py", "ring.py", "sharding.py", "parallel_linear.py", "model.py"):
+        assert name in library, library
+    strays = [f for f in library if f.startswith("test_") or f == "conftest.py"]
+    assert not strays, f"tests outside tests/: {strays}"
+
+
+def test_imports_run_into_the_library_and_no_private_name_crosses_a_module():
+    problems = layout_problems(PACKAGE_DIR)
+    assert not problems, "\n".join(problems)
+
+
+# The checker itself must be able to fail.
+_BAD_TREES = {
+    "library imports the harness": {"comm.py": "from .profiling import cli\n"},
+    "harness imports the tests": {"profiling/cli.py": "from ..tests import helpers\n"},
+    "test imports a test": {"tests/test_a.py": "from .test_b import CONFIG\n",
+                            "tests/test_b.py": "CONFIG = 1\n"},
+    "private name": {"model.py": "from .parallel_linear import _Fn\n"},
+    "private attribute": {"profiling/cli.py": "from .. import comm\nx = comm._recorder\n"},
+}
+
+
+@pytest.mark.parametrize("files", list(_BAD_TREES.values()), ids=list(_BAD_TREES))
+def test_layout_checker_catches_each_broken_rule(tmp_path, files):
+    package = tmp_path / PACKAGE
+    for folder in (package, package / "profiling", package / "tests"):
+        folder.mkdir(exist_ok=True)
+        (folder / "__init__.py").write_text("")
+    for name in ("comm.py", "parallel_linear.py", "model.py", "profiling/cli.py"):
+        (package / name).write_text("")
+    for name, text in files.items():
+        (package / name).write_text(text)
+    problems = layout_problems(str(package))
+    assert len(problems) == 1, problems
+
+
+def test_layout_checker_allows_a_test_to_read_its_own_module(tmp_path):
+    package = tmp_path / PACKAGE
+    (package / "tests").mkdir(parents=True)
+    for name in ("__init__.py", "tests/__init__.py", "comm.py"):
+        (package / name).write_text("")
+    (package / "tests" / "test_comm.py").write_text(
+        "from tensor_parallel_toy import comm\nfrom tensor_parallel_toy.comm import _x\n"
+        "y = comm._recorder\n")
+    assert layout_problems(str(package)) == []
