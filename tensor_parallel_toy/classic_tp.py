@@ -108,13 +108,17 @@ def _paths(declared):
 
 
 def _declared(block, name):
-    """The block's `tp_column` / `tp_row` (or its older alias), None if it declares neither."""
-    cls, alias = type(block), DECLARATIONS[name]
-    value, old = getattr(cls, name, None), getattr(cls, alias, None)
-    if value is not None and old is not None and _paths(value) != _paths(old):
-        raise ValueError(f"{cls.__name__} declares {name}={value!r} and {alias}={old!r}; "
-                         f"keep one ({alias} is the older name of {name})")
-    return value if value is not None else old
+    """The block's `tp_column` / `tp_row` (or its older alias), None if it declares neither.
+    The class nearest the block's own in its MRO decides, as for any inherited attribute."""
+    alias = DECLARATIONS[name]
+    for cls in type(block).__mro__:
+        value, old = cls.__dict__.get(name), cls.__dict__.get(alias)
+        if value is not None and old is not None and _paths(value) != _paths(old):
+            raise ValueError(f"{cls.__name__} declares {name}={value!r} and {alias}={old!r}; "
+                             f"keep one ({alias} is the older name of {name})")
+        if value is not None or old is not None:
+            return value if value is not None else old
+    return None
 
 
 def _resolve(block, path, where):

@@ -7,10 +7,14 @@ concatenations of equal flat blocks, which is what `all_gather_single` and
 `reduce_scatter_single` move.
 
 The region transitions are autograd Functions named by the region they lead into, each the
-conjugate of another: `f` and `g` come from Megatron-LM's tensor parallelism (Shoeybi et al.,
-2019, arXiv:1909.08053, section 3), the sequence all-gather / reduce-scatter pair from its
-sequence parallelism (Korthikanti et al., 2022, arXiv:2205.05198, their operators
-`g` and `g-bar`). The P2P ring the overlapped layers use is in ring.py.
+conjugate of another. `f` and `g` are Megatron-LM's tensor-parallel operators (Shoeybi et al.,
+2019, arXiv:1909.08053, section 3). Sequence parallelism (Korthikanti et al., 2022,
+arXiv:2205.05198) adds a conjugate pair of its own: an all-gather along the sequence on the
+way into a tensor-parallel region (backward: reduce-scatter), which the column layer fuses with
+its GEMM (parallel_linear.py), and a reduce-scatter on the way out (backward: all-gather),
+which the row layer fuses likewise and the vocabulary embedding uses alone (here). The paper
+calls them `g` and `g-bar`; the letters are not Megatron's `g`. The P2P ring the overlapped
+layers use is in ring.py.
 
 Every function takes its group explicitly; a group of one rank returns early, so the same code
 runs at TP size 1. Every transfer goes through `transfer`, the one place a recording (the
@@ -42,9 +46,9 @@ def recording(recorder):
 
     `recorder.transfer(kind, nbytes, post, stream)` must call `post()`, which starts the
     transfer and returns its handle (anything with `wait()`), or None when the call blocked
-    until it was done, and return a handle with the same `wait()`. `kind` is "all-gather",
-    "reduce-scatter", "all-reduce" or "ring"; `stream` is the CUDA stream a ring step runs on
-    (None elsewhere). Only one recording at a time.
+    until it was done, and return a handle with the same `wait()`, or None where `post()` gave
+    None. `kind` is "all-gather", "reduce-scatter", "all-reduce" or "ring"; `stream` is the CUDA
+    stream a ring step runs on (None elsewhere). Only one recording at a time.
     """
     global _recorder
     if _recorder is not None:
@@ -56,11 +60,13 @@ def recording(recorder):
         _recorder = None
 
 
-def transfer(kind, tensor, post, stream=None):
-    """Start a transfer of `tensor` with `post()`, reported to the recording if one is active."""
+def transfer(kind, tensor, start, *args, stream=None, **kwargs):
+    """`start(*args, **kwargs)`: start a transfer of `tensor`'s bytes and return its handle (or
+    None if it blocked); reported to the recording if one is active."""
     if _recorder is None:
-        return post()
-    return _recorder.transfer(kind, tensor.numel() * tensor.element_size(), post, stream)
+        return start(*args, **kwargs)
+    return _recorder.transfer(kind, tensor.numel() * tensor.element_size(),
+                              lambda: start(*args, **kwargs), stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,8 +79,8 @@ def all_gather_seq(x_local, group, async_op=False):
         return x_local, None
     x_local = x_local.contiguous()
     out = x_local.new_empty((x_local.shape[0] * p, *x_local.shape[1:]))
-    work = transfer("all-gather", x_local, lambda: dist.all_gather_single(
-        out, x_local, group=group, async_op=async_op))
+    work = transfer("all-gather", x_local, dist.all_gather_single, out, x_local, group=group,
+                    async_op=async_op)
     return out, work
 
 
@@ -87,15 +93,15 @@ def reduce_scatter_seq(x_full, group, async_op=False):
         raise ValueError(f"cannot reduce-scatter {x_full.shape[0]} sequence rows over {p} ranks")
     x_full = x_full.contiguous()
     out = x_full.new_empty((x_full.shape[0] // p, *x_full.shape[1:]))
-    work = transfer("reduce-scatter", x_full, lambda: dist.reduce_scatter_single(
-        out, x_full, group=group, async_op=async_op))
+    work = transfer("reduce-scatter", x_full, dist.reduce_scatter_single, out, x_full,
+                    group=group, async_op=async_op)
     return out, work
 
 
 def all_reduce_(x, group, op=dist.ReduceOp.SUM):
     """Reduce `x` over the group in place (a sum unless `op` says otherwise); returns `x`."""
     if group_size(group) > 1:
-        transfer("all-reduce", x, lambda: dist.all_reduce(x, op=op, group=group))
+        transfer("all-reduce", x, dist.all_reduce, x, op=op, group=group)
     return x
 
 
@@ -106,7 +112,7 @@ def all_gather_dim(x, dim, group):
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(p)]
-    transfer("all-gather", x, lambda: dist.all_gather(parts, x, group=group))
+    transfer("all-gather", x, dist.all_gather, parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
@@ -161,8 +167,8 @@ def gather_from_tensor_parallel_region(x, group):
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """forward: reduce-scatter along the sequence (dim 0); backward: all-gather along it.
 
-    Korthikanti et al.'s `g-bar` (arXiv:2205.05198), which leaves the tensor
-    parallel region for the sequence parallel one.
+    Korthikanti et al.'s `g-bar` (arXiv:2205.05198): it leaves the tensor-parallel region
+    for the sequence-parallel one.
 
     `[s, b, h]` partial sums on every rank -> `[s/p, b, h]`, rows r*s/p:(r+1)*s/p summed over
     the group, on rank r. Used by the vocab-parallel embedding: each rank looks up every token

@@ -170,7 +170,8 @@ class Transformer(nn.Module):
 
     The batch is validated once per call, before any collective: its shape and length always;
     its token ids and labels when `check_ids` says so (None, the default: when they are on the
-    CPU, which is free; True: also on a GPU, at one device-to-host copy per call; False: never).
+    CPU, which is free; True: also on a GPU, at one device-to-host copy per checked tensor,
+    ids and labels; False: never).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,

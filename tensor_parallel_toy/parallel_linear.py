@@ -58,6 +58,9 @@ def _bias_grad(dy):
 class _AllGatherGemm(torch.autograd.Function):
     """forward: all-gather(seq) then GEMM; backward: GEMM then reduce-scatter(seq).
 
+    The all-gather is Korthikanti et al.'s sequence-parallel `g` (arXiv:2205.05198), fused
+    with the GEMM it feeds; the backward's reduce-scatter is its conjugate.
+
     Saves only the local shard X_r (s/p rows), not the gathered X: keeping X would cost p times
     the activation memory that sequence parallelism exists to save. Backward re-gathers X while
     the dX GEMM runs, then starts the dX reduce-scatter before the dW GEMM so that they overlap.

@@ -56,15 +56,19 @@ class Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.stream = _comm_stream(group, device) if device.type == "cuda" else None
 
-    def shift(self, send, recv) -> _Pending:
-        """Post: send `send` to the next rank, receive into `recv` from the previous one."""
+    def shift(self, send, recv):
+        """Post: send `send` to the next rank, receive into `recv` from the previous one.
+        Returns the pending step: its `wait()` makes `recv` safe to read."""
         ops = [dist.P2POp(dist.isend, send, self.next, self.group),
                dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         if self.stream is None:
             # CPU/gloo: the transfer progresses on gloo's own thread while we compute.
-            return transfer("ring", send, lambda: _Pending(works=dist.batch_isend_irecv(ops)))
-        return transfer("ring", send, lambda: self._post_on_stream(ops, send, recv),
-                        stream=self.stream)
+            return transfer("ring", send, self._post, ops)
+        return transfer("ring", send, self._post_on_stream, ops, send, recv, stream=self.stream)
+
+    @staticmethod
+    def _post(ops):
+        return _Pending(works=dist.batch_isend_irecv(ops))
 
     def _post_on_stream(self, ops, send, recv):
         # `send` was written on the compute stream; the comm stream must not read it early.
@@ -87,8 +91,9 @@ def ring_all_gather(shard, ring, consume):
     """Pass this rank's `shard` around the ring; call `consume(c, chunk_c)` on every chunk.
 
     shard `[n, ...]` (this rank's chunk r); `consume(c, chunk)` gets each of the p chunks once,
-    its own first, and must not keep `chunk` (the buffer is reused two steps later). The plain
-    code it is equivalent to, with each transfer hidden under a `consume` instead:
+    its own first, and must not keep `chunk` (its buffer receives again during the next
+    step). The plain code it is equivalent to, with each transfer hidden under a `consume`
+    instead:
 
         chunks = all_gather(shard)                  # [p, n, ...], chunk c from rank c
         for k in range(p):

@@ -5,24 +5,23 @@ gradient, count a gradient in the norm) reads these attributes, never a paramete
 its module's class, so it also works for layers it has never seen. This is the one place that
 sets and reads them:
 
-attribute            meaning                                   set by / read by
--------------------  ----------------------------------------  ---------------------------------
-tensor_parallel_dim  the dim split over the TP ranks; None or  set: `mark_tensor_parallel` (column,
-                     absent: replicated, the same on every     row, vocabulary, classic TP layers)
-                     rank                                      read: `full_shape`, `shard`,
-                                                               `unshard` (checkpoints, full state
-                                                               dicts and grads), `grad_norm`,
-                                                               `classic_tp.sync_replicated_
-                                                               gradients`
-sequence_parallel    replicated, but applied to this rank's    set: `mark_sequence_parallel`
-                     s/p tokens only: each rank's gradient is  (RMSNorm weights)
-                     a partial sum over the sequence           read: `register_sequence_parallel_
-                                                               grad_hooks`
-sp_grad_hooked       the summing hook is registered            set and read: `register_sequence_
-                                                               parallel_grad_hooks` (never twice)
-init_std             std of the model's normal init; None:     set: `mark_init_std` (model.py)
-                     keep the values built (a norm's ones)     read: `init_std` (`Transformer.
-                                                               reset_parameters`)
+tensor_parallel_dim
+    the dim split over the TP ranks; None or absent: replicated, the same on every rank
+    set by:  mark_tensor_parallel (column, row, vocabulary and classic TP layers)
+    read by: full_shape, shard, unshard (checkpoints, full state dicts and gradients),
+             grad_norm, and classic_tp's sync_replicated_gradients
+sequence_parallel
+    replicated, but applied to this rank's s/p tokens only: each rank's gradient is a partial
+    sum over the sequence
+    set by:  mark_sequence_parallel (the RMSNorm weights)
+    read by: register_sequence_parallel_grad_hooks
+sp_grad_hooked
+    the summing hook is registered (so it never is twice)
+    set and read by: register_sequence_parallel_grad_hooks
+init_std
+    std of the model's normal init; None: keep the values built (a norm's ones)
+    set by:  mark_init_std (model.py)
+    read by: init_std (Transformer.reset_parameters)
 """
 import torch
 
@@ -96,7 +95,9 @@ def init_from_full_(param, init, group):
 
     Every rank draws the same full tensor (from the same generator state, as after the same
     `torch.manual_seed`) and keeps its slice, so the shards together are one layer initialised
-    exactly as its unsplit version would be, and the generator stays in step across ranks.
+    exactly as its unsplit version would be, and the generator stays in step across ranks. The
+    full tensor exists on every rank for a moment, on `param`'s device: fine for this package's
+    sizes, a cost to avoid (draw on the CPU, or shard by shard) for a model near memory limits.
     """
     full = torch.empty(full_shape(param, group_size(group)), device=param.device,
                        dtype=param.dtype)

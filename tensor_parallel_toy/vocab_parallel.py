@@ -14,8 +14,8 @@ Token ids and labels out of range would be masked on every rank and silently bec
 embeddings or wrong losses, so they are checked, on the host: `check_ids=None` (the default)
 checks a CPU tensor on every call, which costs nothing, and leaves a GPU tensor alone, because
 reading it would make the host wait for the device on every step; `True` checks either (one
-device-to-host copy per call on a GPU), `False` neither (the caller checked already, as
-`Transformer` does once per call).
+device-to-host copy per checked tensor on a GPU), `False` neither (the caller checked already,
+as `Transformer` does once per call).
 """
 import torch
 import torch.distributed as dist

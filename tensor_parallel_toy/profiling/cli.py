@@ -168,8 +168,7 @@ def parse_args(argv, env=os.environ):
     args.spec = ProfileSpec(
         config=args.config, tp=args.tp, steps=args.steps, warmup=args.warmup, batch=args.batch,
         seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
-        threads=args.threads, baseline_threads=os.cpu_count() or 1,
-        bench_iters=args.bench_iters,
+        threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=None if args.bench_shape is None else tuple(args.bench_shape),
         timeline_iters=args.timeline_iters,
         trace_dir=os.path.abspath(args.out) if args.trace else None)

@@ -5,6 +5,7 @@ here; the ranks receive it whole (it is pickled to each worker) and read typed f
 phase cannot ask for a key nobody set, nor find a default that disagrees with the flag's.
 """
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -17,22 +18,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The profile's model, larger than ModelConfig's defaults: big enough for the GEMMs to matter.
 MODEL_DEFAULTS = {"hidden_size": 256, "num_layers": 2, "num_heads": 8, "ffn_hidden_size": 1024,
                   "vocab_size": 256}
+SEQ = 128  # the sequence length, which is also the model's max_seq_len
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSpec:
-    config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=128)
+    config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)
     tp: int = 2
     steps: int = 60  # training steps per mode
     warmup: int = 5  # first steps left out of the timing statistics (at least 1)
     batch: int = 8  # global batch size
-    seq: int = 128  # sequence length
+    seq: int = SEQ
     lr: float = 1e-3  # AdamW, ramped over the first train.LR_WARMUP_STEPS steps
     dtype: str = "fp32"  # a key of DTYPES
     seed: int = 0  # weights and data
     modes: Tuple[str, ...] = MODES
     threads: Optional[int] = None  # torch threads per TP rank; None: CPU cores / TP size
-    baseline_threads: int = 1  # the baseline runs alone on rank 0: the cli gives it every core
+    baseline_threads: int = os.cpu_count() or 1  # the baseline runs alone: every core
     bench_iters: int = 60  # timed rounds per op in the overlap benchmark; 0 skips it
     bench_warmup: int = 3  # untimed rounds before them
     bench_shape: Optional[Tuple[int, int, int, int]] = None  # S, B, H, F; None: calibrated

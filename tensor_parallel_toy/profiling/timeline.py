@@ -12,10 +12,11 @@ if the wait did not block, the transfer finished earlier, under the compute befo
 each span is a pair of CUDA events: compute on the current stream, ring transfers on the
 communication stream.
 
-Every transfer of the package passes through `comm.transfer`; while recording, a `_Recorder`
-is installed there with `comm.recording`, so every collective and ring step is seen, those of
-the vocabulary-parallel embedding and loss and of the gradient hooks included, and the code
-being timed is the package's own, unmodified.
+Every transfer of the package passes through `comm.transfer`; `record_into(clock)` installs a
+`_Recorder` there with `comm.recording`, so whatever runs inside it has every collective and
+ring step seen (a whole model's: the vocabulary-parallel embedding and loss and the gradient
+hooks included; the profile records one block), and the code being timed is the package's
+own, unmodified.
 """
 import contextlib
 import time
@@ -29,10 +30,12 @@ from ..initialize import current_device
 from ..model import TransformerBlock, rotary_tables
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
+SPAN_NAMES = {"ring": "send/recv"}  # a transfer's span is named by its kind, a ring step's so
 
 
 class Clock:
-    """Host timestamps on CPU, CUDA events on GPU; `span()` stores either kind."""
+    """Host timestamps on CPU, CUDA events on GPU; `add()` stores spans of either kind, and
+    `finish()` turns them into milliseconds since the clock was made."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -53,6 +56,9 @@ class Clock:
     def add(self, row, kind, name, start, end, **extra):
         self.spans.append({"row": row, "kind": kind, "name": name, "start": start, "end": end,
                            **extra})
+
+    def add_transfer(self, kind, start, end, nbytes):
+        self.add("comm", kind, SPAN_NAMES.get(kind, kind), start, end, bytes=nbytes)
 
     def finish(self):
         """Convert every stamp to milliseconds since the origin."""
@@ -75,7 +81,7 @@ class _OpTimer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace != "aten" or func.is_view:
-            return func(*args, **(kwargs or {}))  # c10d ops are timed by the comm wrappers
+            return func(*args, **(kwargs or {}))  # transfers are timed by the _Recorder
         start = self.clock.stamp()
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
@@ -96,11 +102,12 @@ class _TimedHandle:
         begin = self.clock.stamp()
         self.handle.wait()
         end = self.clock.stamp()
-        if not self.clock.cuda:  # on GPU the host never blocks; the comm span has its own end
+        if not self.clock.cuda:  # on GPU the host never blocks
             self.clock.add("compute", "wait", "wait", begin, end)
-            self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
-        elif self.kind != "ring":  # a collective on NCCL's stream, ordered by this wait
-            self.clock.add("comm", self.kind, self.kind, self.start, end, bytes=self.nbytes)
+        # On GPU a ring step's bar ended on its own stream when it was posted; a collective
+        # runs on NCCL's stream, which this wait orders the current stream after.
+        if not self.clock.cuda or self.kind != "ring":
+            self.clock.add_transfer(self.kind, self.start, end, self.nbytes)
 
 
 class _Recorder:
@@ -113,21 +120,21 @@ class _Recorder:
         clock = self.clock
         start = clock.stamp()
         handle = post()
-        if handle is None:  # a blocking call (or a group of one): the host waited throughout
+        if handle is None:  # a blocking call: the host waited throughout
             end = clock.stamp()
             if not clock.cuda:
                 clock.add("compute", "wait", "wait", start, end)
-            clock.add("comm", kind, kind, start, end, bytes=nbytes)
+            clock.add_transfer(kind, start, end, nbytes)
             return None
         if clock.cuda and stream is not None:  # a ring step on its own stream: ends there
-            clock.add("comm", kind, kind, start, clock.stamp(stream), bytes=nbytes)
+            clock.add_transfer(kind, start, clock.stamp(stream), nbytes)
         elif not clock.cuda:
             clock.add("compute", "post", "post", start, clock.stamp())
         return _TimedHandle(handle, clock, kind, start, nbytes)
 
 
 @contextlib.contextmanager
-def recording(clock):
+def record_into(clock):
     """Record every transfer of the package and time every op, into `clock`."""
     with comm.recording(_Recorder(clock)), _OpTimer(clock):
         yield clock
@@ -136,7 +143,7 @@ def recording(clock):
 def _record_once(block, x_in, dy, cos, sin, device, group):
     dist.barrier(group=group)  # every rank starts at (nearly) the same time
     clock = Clock(device)
-    with recording(clock):
+    with record_into(clock):
         y = block(x_in, cos, sin)
         forward_end = clock.stamp()
         y.backward(dy)
@@ -167,7 +174,7 @@ def record(spec):
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()
         for warm in range(2):  # warm-up, the first one recorded and thrown away: the first
-            with recording(Clock(device)) if warm == 0 else contextlib.nullcontext():
+            with record_into(Clock(device)) if warm == 0 else contextlib.nullcontext():
                 blocks[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
     runs = {mode: [] for mode in modes}
     for _ in range(spec.timeline_iters):

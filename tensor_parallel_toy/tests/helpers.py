@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.initialize import current_device
 from tensor_parallel_toy.model import Transformer
+from tensor_parallel_toy.profiling.spec import DTYPES  # noqa: F401 (the one name -> dtype map)
 from tensor_parallel_toy.sharding import grad_norm
 
 FP32_TOL = 1e-5  # one layer, fp32, against fp64
 MODEL_FP32_TOL = 1e-5  # whole model in fp32, along SGD steps: measured worst ~1e-6
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 BACKENDS = [
     pytest.param("gloo", id="gloo"),
@@ -92,6 +92,21 @@ def assert_bf16(per_rank, what):
                 bad.append(f"{key}: TP bf16 error {tp_err:.3g} vs single-device bf16 "
                            f"{base_err:.3g} (allowed {2 * base_err + 1e-2:.3g})")
     assert not bad, f"{what}: " + "; ".join(bad)
+
+
+def value_error_messages(cases):
+    """{key: the one-line ValueError message of calling `cases[key]()`, or None if it did not
+    raise}, then a barrier: every rank got past every case, so none was left in a collective.
+    Inside a rank only."""
+    messages = {}
+    for key, fn in cases.items():
+        try:
+            fn()
+            messages[key] = None
+        except ValueError as e:
+            messages[key] = str(e)
+    dist.barrier()
+    return messages
 
 
 def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):

@@ -11,7 +11,8 @@ from tensor_parallel_toy.data_parallel import (average_gradients, data_parallel_
                                                destroy_mesh_2d, init_mesh_2d, split_batch)
 from tensor_parallel_toy.sharding import grad_norm
 
-from .helpers import MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch
+from .helpers import (MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch,
+                      value_error_messages)
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)
@@ -65,16 +66,9 @@ def test_2x2_data_x_tensor_parallel_matches_baseline_on_the_whole_batch(pools, o
 
 
 def _on_rank_bad_mesh():
-    messages = {}
-    for key, fn in {"mesh": lambda: init_mesh_2d(dp_size=3, tp_size=2),
-                    "batch": lambda: split_batch(torch.zeros(3, 4), dist.group.WORLD)}.items():
-        try:
-            fn()
-            messages[key] = None
-        except ValueError as e:
-            messages[key] = str(e)
-    dist.barrier()
-    return messages
+    return value_error_messages({
+        "mesh": lambda: init_mesh_2d(dp_size=3, tp_size=2),
+        "batch": lambda: split_batch(torch.zeros(3, 4), dist.group.WORLD)})
 
 
 def test_bad_mesh_or_batch_size_raises_one_clear_error(pools):

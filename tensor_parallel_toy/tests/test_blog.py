@@ -3,9 +3,9 @@
 An excerpt is a fenced code block preceded by a tag naming its source, relative to the
 repository root:
 
-    <!-- excerpt: tensor_parallel_toy/comm.py -->
+    <!-- excerpt: tensor_parallel_toy/ring.py -->
     ```python
-    def ring_all_gather(x_local, ring, consume):
+    def ring_all_gather(shard, ring, consume):
         ...
     ```
 

@@ -163,3 +163,25 @@ def test_unsupported_layers_are_refused_with_one_clear_error(pools):
         msg = messages[key]
         assert msg is not None, f"{key}: no error raised"
         assert "\n" not in msg and part in msg, f"{key}: {msg!r} should mention {part!r}"
+
+
+def test_a_subclass_declaration_overrides_its_base_whichever_name_each_uses():
+    """The nearest class in the MRO decides, as for any attribute: a subclass that declares
+    `tp_column` over a base declaring `_tp_col` is not a conflict. Group of one: no ranks."""
+    from tensor_parallel_toy.classic_tp import ClassicColumnParallel
+
+    class Base(nn.Module):
+        _tp_col = "a"
+        _tp_row = "c"
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+
+    class Sub(Base):
+        tp_column = "b"
+
+    model = apply_tensor_parallel(nn.Sequential(Sub()), None)
+    kinds = {name: type(getattr(model[0], name)).__name__ for name in "abc"}
+    assert isinstance(model[0].b, ClassicColumnParallel), kinds
+    assert isinstance(model[0].a, nn.Linear), kinds

@@ -60,9 +60,11 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
         for name, param in model.named_parameters():
             grad, want = param.grad, base_params[name].grad
             note("grad:" + name, max_rel_error(grad.full_tensor(), want))
-            note("local grad:" + name, max_rel_error(grad.to_local(), _expected_local(want, grad, rank, p)))
+            note("local grad:" + name,
+                 max_rel_error(grad.to_local(), _expected_local(want, grad, rank, p)))
         base_norm = torch.nn.utils.get_total_norm([q.grad for q in base.parameters()])
-        note("grad_norm", max_rel_error(torch.tensor(dtensor_tp.grad_norm(model, group)), base_norm))
+        norm = torch.tensor(dtensor_tp.grad_norm(model, group))
+        note("grad_norm", max_rel_error(norm, base_norm))
         opt_base.step(), opt_dt.step()
         opt_base.zero_grad(), opt_dt.zero_grad()
         for name, param in model.named_parameters():

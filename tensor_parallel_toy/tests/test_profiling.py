@@ -203,13 +203,13 @@ def _on_rank_recorded_transfers(overlap):
     import torch.distributed as dist
 
     from tensor_parallel_toy import ModelConfig, Transformer
-    from tensor_parallel_toy.profiling.timeline import Clock, recording
+    from tensor_parallel_toy.profiling.timeline import Clock, record_into
 
     config = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
                          ffn_hidden_size=32, max_seq_len=8)
     model = Transformer(config, tp_group=dist.group.WORLD, overlap=overlap)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-    with recording(Clock(torch.device("cpu"))) as clock:
+    with record_into(Clock(torch.device("cpu"))) as clock:
         model.loss(ids, ids.roll(-1, 1)).backward()
     counts = {}
     for span in clock.finish():

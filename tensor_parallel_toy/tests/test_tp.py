@@ -80,8 +80,8 @@ def _on_rank_check_linear(kind, overlap, bias, dtype_name):
     y = F.linear(x, w, b if bias else None)
     y.backward(dy)
     single = {"y": y, "dx": x.grad, "dw": w.grad, "db": b.grad}
-    return {k: (max_rel_error(v, want[k](ref[k])), max_rel_error(want[k](single[k]), want[k](ref[k])))
-            for k, v in got.items()}
+    return {k: (max_rel_error(v, want[k](ref[k])),
+                max_rel_error(want[k](single[k]), want[k](ref[k]))) for k, v in got.items()}
 
 
 def _on_rank_check_linear_on_subgroups(groups):
@@ -107,7 +107,8 @@ def _on_rank_check_model(overlap, steps):
     dev = current_device()
     base = Transformer(CONFIG, seed=0).to(dev)
     tp = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=0).to(dev)
-    errors = {"init:" + k: max_rel_error(v, base.state_dict()[k]) for k, v in tp.full_state_dict().items()}
+    errors = {"init:" + k: max_rel_error(v, base.state_dict()[k])
+              for k, v in tp.full_state_dict().items()}
     loaded = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=99).to(dev)
     loaded.load_full_state_dict(base.state_dict())
     errors.update({"load:" + k: max_rel_error(v, base.state_dict()[k])
@@ -150,7 +151,8 @@ def _on_rank_check_model_bf16():
         loss.backward()
         grads = model.full_grads() if model is tp else {
             n: p.grad for n, p in model.named_parameters()}
-        results[model] = {"logits": logits, "loss": loss, **{"grad:" + n: g for n, g in grads.items()}}
+        results[model] = {"logits": logits, "loss": loss,
+                          **{"grad:" + n: g for n, g in grads.items()}}
     return {k: (max_rel_error(results[tp][k], v), max_rel_error(results[base][k], v))
             for k, v in results[ref].items()}
 

@@ -13,7 +13,7 @@ from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
 from tensor_parallel_toy.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 from .helpers import (FP32_TOL, assert_errors, assert_matches_baseline, compare_on_world,
-                      max_rel_error, world)
+                      max_rel_error, value_error_messages, world)
 
 VOCAB, TOKENS = 24, 20  # 24: divisible by 2, 3 and 4
 
@@ -136,15 +136,7 @@ def _on_rank_bad_inputs():
              "reduction": lambda: model.loss(ids, ids, reduction="avg"),
              "labels shape": lambda: model.loss(ids, ids[:, :4]),
              "sequence length": lambda: model(torch.zeros(2, 17, dtype=torch.long))}
-    messages = {}
-    for key, fn in cases.items():
-        try:
-            fn()
-            messages[key] = None
-        except ValueError as e:
-            messages[key] = str(e)
-    dist.barrier()  # every rank got here: nothing was left waiting in a collective
-    return messages
+    return value_error_messages(cases)
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -224,19 +216,11 @@ def _on_rank_host_reads():
         with _HostReads() as forward_reads:
             model(ids)
         reads[f"check_ids={check_ids}"] = (loss_reads.count, forward_reads.count)
-    messages = {}
-    for key, fn in {
-            "embedding": lambda: VocabParallelEmbedding(VOCAB, 4, tp_group=group)(
-                torch.full((4, 2), VOCAB)),
-            "cross-entropy": lambda: vocab_parallel_cross_entropy(
-                torch.zeros(3, VOCAB // dist.get_world_size(group)), torch.tensor([0, -5, 1]),
-                group)}.items():
-        try:
-            fn()
-            messages[key] = None
-        except ValueError as e:
-            messages[key] = str(e)
-    dist.barrier()
+    messages = value_error_messages({
+        "embedding": lambda: VocabParallelEmbedding(VOCAB, 4, tp_group=group)(
+            torch.full((4, 2), VOCAB)),
+        "cross-entropy": lambda: vocab_parallel_cross_entropy(
+            torch.zeros(3, VOCAB // dist.get_world_size(group)), torch.tensor([0, -5, 1]), group)})
     return reads, messages
 
 
