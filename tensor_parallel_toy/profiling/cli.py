@@ -169,7 +169,7 @@ def parse_args(argv, env=os.environ):
         config=args.config, tp=args.tp, steps=args.steps, warmup=args.warmup, batch=args.batch,
         seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
-        bench_shape=None if args.bench_shape is None else tuple(args.bench_shape),
+        bench_shape=args.bench_shape,
         timeline_iters=args.timeline_iters,
         trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
@@ -179,9 +179,9 @@ def _parse_bench_shape(text, tp):
     if text is None:
         return None
     try:
-        shape = [int(v) for v in text.split(",")]
+        shape = tuple(int(v) for v in text.split(","))
     except ValueError:
-        shape = []
+        shape = ()
     if len(shape) != 4 or min(shape) < 1:
         raise UsageError(f"--bench-shape {text!r}: give four positive integers S,B,H,F")
     s, _, _, f = shape
