@@ -52,6 +52,30 @@ def _bias_grad(dy):
     return _flat(dy).sum(dim=0)
 
 
+class _WeightGradAccumulator:
+    """dW = sum over chunks c of dY_c^T X_c, summed in fp32 whatever the weight's dtype.
+
+    Summing bf16 partial products in bf16 rounds once per chunk; one GEMM over the whole
+    sequence (the basic layers) rounds once at the end. Accumulating in fp32 and rounding once
+    keeps the overlapped weight gradient as accurate as the basic one (Megatron does the same
+    with its fused fp32 gradient accumulation). The chunks' GEMMs then run in fp32: on GPUs a
+    GEMM with an fp32 output (`out_dtype`) would avoid the upcast copies.
+    """
+
+    def __init__(self, weight):
+        self.dtype = weight.dtype
+        self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def add(self, dy_c, x_c):
+        dy_c, x_c = _flat(dy_c), _flat(x_c)
+        if self.dtype != torch.float32:
+            dy_c, x_c = dy_c.float(), x_c.float()
+        self.acc.addmm_(dy_c.t(), x_c)
+
+    def result(self):
+        return self.acc.to(self.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Column parallel: all-gather + GEMM
 # ----------------------------------------------------------------------------------------------
@@ -117,12 +141,11 @@ class _RingAllGatherGemm(torch.autograd.Function):
         n = x_local.shape[0]
         dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
 
-        dw = torch.zeros_like(weight)
-        ring_all_gather(x_local, ring,
-                        lambda c, x_c: dw.addmm_(_flat(dy_chunk(c)).t(), _flat(x_c)))
+        dw = _WeightGradAccumulator(weight)
+        ring_all_gather(x_local, ring, lambda c, x_c: dw.add(dy_chunk(c), x_c))
         dx_local = ring_reduce_scatter(lambda c: dy_chunk(c).matmul(weight), ring)
         db = _bias_grad(dy) if ctx.has_bias else None
-        return dx_local, dw, db, None
+        return dx_local, dw.result(), db, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,16 +207,18 @@ class _GemmRingReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         ring = Ring(ctx.group, x.device)
         n = dy_local.shape[0]
-        dx = torch.empty_like(x)
-        dw = torch.zeros_like(weight)
+        # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
+        # whose row slices are views (a reshape of a strided slice would be a copy).
+        dx = x.new_empty(x.shape)
+        dw = _WeightGradAccumulator(weight)
 
         def consume(c, dy_c):
             torch.mm(_flat(dy_c), weight, out=_flat(dx[c * n:(c + 1) * n]))
-            dw.addmm_(_flat(dy_c).t(), _flat(x[c * n:(c + 1) * n]))
+            dw.add(dy_c, x[c * n:(c + 1) * n])
 
-        ring_all_gather(dy_local.contiguous(), ring, consume)
+        ring_all_gather(dy_local, ring, consume)
         db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
-        return dx, dw, db, None
+        return dx, dw.result(), db, None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -105,8 +105,8 @@ def ring_all_gather(shard, ring, consume):
         rank r:  post(k=0) | gemm(chunk r)   | wait | post(k=1) | gemm(chunk r-1) | wait | ...
     """
     p, r = ring.size, ring.rank
-    spare = [torch.empty_like(shard) for _ in range(min(p - 1, 2))]
-    current = shard.contiguous()
+    current = shard.contiguous()  # P2P sends and receives whole, densely packed buffers
+    spare = [torch.empty_like(current) for _ in range(min(p - 1, 2))]
     for k in range(p):
         pending = None
         if k < p - 1:
@@ -134,7 +134,7 @@ def ring_reduce_scatter(produce, ring):
     is in flight, the GEMM for the next chunk runs.
     """
     p, r = ring.size, ring.rank
-    acc = produce((r - 1) % p)
+    acc = produce((r - 1) % p).contiguous()
     if p == 1:
         return acc
     incoming = [torch.empty_like(acc), torch.empty_like(acc)]

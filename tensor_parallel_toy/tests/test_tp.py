@@ -38,9 +38,17 @@ def _linear_case(in_f, out_f, dtype, bias, seed=1234):
                            "db": ref["b"].grad}
 
 
-def _run_parallel_linear(kind, overlap, bias, dtype, full, group):
+def _batch_first_view(t):
+    """The same values as `t` [s, b, ...], laid out batch-first: a leaf [b, s, ...] and its
+    transposed (non-contiguous) [s, b, ...] view, as a batch-first model would pass it."""
+    leaf = t.detach().transpose(0, 1).contiguous().requires_grad_(t.requires_grad)
+    return leaf, leaf.transpose(0, 1)
+
+
+def _run_parallel_linear(kind, overlap, bias, dtype, full, group, strided=False):
     """Run one TP layer on this rank's shards of the full tensors; return full-shape-indexed
-    views of the reference that this rank's results must equal, and those results."""
+    views of the reference that this rank's results must equal, and those results.
+    `strided`: the input and the output gradient are transposed views of batch-first tensors."""
     x, w, b, dy = full
     p, r, dev = dist.get_world_size(group), dist.get_rank(group), current_device()
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
@@ -52,10 +60,17 @@ def _run_parallel_linear(kind, overlap, bias, dtype, full, group):
         layer.weight.copy_(feat(w, 0) if kind == "column" else feat(w, 1))
         if bias:
             layer.bias.copy_(feat(b, 0) if kind == "column" else b)
-    x_in = (seq(x) if kind == "column" else feat(x)).to(dev).requires_grad_()
+    x_leaf = (seq(x) if kind == "column" else feat(x)).to(dev).requires_grad_()
+    dy_in = (feat(dy) if kind == "column" else seq(dy)).to(dev)
+    x_in = x_leaf
+    if strided:
+        x_leaf, x_in = _batch_first_view(x_leaf)
+        dy_in = _batch_first_view(dy_in)[1]
+        assert not x_in.is_contiguous() and not dy_in.is_contiguous()
     y = layer(x_in)
-    y.backward((feat(dy) if kind == "column" else seq(dy)).to(dev))
-    got = {"y": y, "dx": x_in.grad, "dw": layer.weight.grad}
+    y.backward(dy_in)
+    dx = x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
+    got = {"y": y, "dx": dx, "dw": layer.weight.grad}
     if bias:
         got["db"] = layer.bias.grad
     if kind == "column":
@@ -82,6 +97,26 @@ def _on_rank_check_linear(kind, overlap, bias, dtype_name):
     single = {"y": y, "dx": x.grad, "dw": w.grad, "db": b.grad}
     return {k: (max_rel_error(v, want[k](ref[k])),
                 max_rel_error(want[k](single[k]), want[k](ref[k]))) for k, v in got.items()}
+
+
+def _on_rank_check_linear_strided(kind, overlap, bias):
+    group, _, _ = world()
+    full, ref = _linear_case(24, 36, torch.float32, bias)
+    got, want = _run_parallel_linear(kind, overlap, bias, torch.float32, full, group,
+                                     strided=True)
+    return {k: max_rel_error(v, want[k](ref[k])) for k, v in got.items()}
+
+
+def _on_rank_bf16_weight_grad_error(kind):
+    """The weight gradient's error against fp64, bf16 layers, basic vs overlapped (the
+    overlapped one sums p chunk products: in fp32, it must lose nothing to the basic one)."""
+    group, _, _ = world()
+    full, ref = _linear_case(96, 64, torch.bfloat16, bias=False)
+    errors = {}
+    for overlap in (False, True):
+        got, want = _run_parallel_linear(kind, overlap, False, torch.bfloat16, full, group)
+        errors[overlap] = max_rel_error(got["dw"], want["dw"](ref["dw"]))
+    return errors
 
 
 def _on_rank_check_linear_on_subgroups(groups):
@@ -216,6 +251,27 @@ def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dty
         assert_errors(per_rank, FP32_TOL, what)
     else:
         assert_bf16(per_rank, what)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("tp", [2, 3])
+def test_parallel_linear_takes_transposed_views_of_batch_first_tensors(pools, tp, kind, overlap,
+                                                                      bias):
+    per_rank = pools(tp).run(_on_rank_check_linear_strided, kind, overlap, bias)
+    assert_errors(per_rank, FP32_TOL, f"strided {kind} tp={tp} overlap={overlap} bias={bias}")
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind):
+    for rank, errors in enumerate(pools(tp).run(_on_rank_bf16_weight_grad_error, kind)):
+        basic, overlapped = errors[False], errors[True]
+        # Both round one fp32 sum to bf16 once; the sums differ only in fp32 round-off.
+        assert overlapped <= basic * 1.01, (
+            f"{kind} tp={tp} rank {rank}: overlapped bf16 dW error {overlapped:.3g} vs basic "
+            f"{basic:.3g} (allowed {basic * 1.01:.3g})")
 
 
 @pytest.mark.parametrize("groups", [[[0, 2], [1, 3]], [[0, 1], [2, 3]]], ids=["strided", "blocks"])
