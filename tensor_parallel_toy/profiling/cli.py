@@ -293,19 +293,20 @@ def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     spec = args.spec
     threads = runner.run(_threads, spec.threads)
-    phases = len(spec.modes) + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
+    phases = 1 + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
     tokens = spec.batch * spec.seq
-    modes, load, k = {}, {}, 0
+    load, k = {}, 1
+    _say(runner, f"[1/{phases}] {', '.join(spec.modes)}: {spec.steps} steps each, interleaved "
+                 f"step by step" + (" (baseline on rank 0 alone)" if "baseline" in spec.modes
+                                    else ""))
     with _LoadMeter(runner) as meter:
-        for mode in spec.modes:
-            k += 1
-            who = "rank 0 alone" if mode == "baseline" else f"{spec.tp} ranks"
-            _say(runner, f"[{k}/{phases}] {mode} ({who}): {spec.steps} steps")
-            modes[mode] = report.combine_mode(runner.run(train.run_mode, mode, spec),
-                                              spec.warmup, tokens)
+        per_rank = runner.run(train.run_modes, spec.modes, spec)
+    modes = {mode: report.combine_mode([r.get(mode) for r in per_rank], spec.warmup, tokens)
+             for mode in spec.modes}
     load["modes"] = meter.cores
     report.add_baseline_errors(modes)
-    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes}
+    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes,
+               "ratios": report.step_time_ratios(modes, spec.warmup)}
     if spec.bench_iters > 0:
         k += 1
         _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({spec.bench_iters} rounds)")

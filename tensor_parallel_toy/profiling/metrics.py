@@ -10,6 +10,7 @@ On CUDA we report the allocator's `max_memory_allocated` as well.
 import statistics
 import time
 
+import numpy as np
 import torch
 
 
@@ -109,3 +110,23 @@ def summarize(values):
     return {"median": statistics.median(values), "p10": pct(0.1), "p25": pct(0.25),
             "p75": pct(0.75), "p90": pct(0.9), "min": values[0], "max": values[-1],
             "n": len(values)}
+
+
+def ratio_interval(numerator, denominator, resamples=2000, seed=0):
+    """median(numerator) / median(denominator) and its bootstrap 95 % interval.
+
+    The two lists are paired: element i of each was measured in the same interleaved step
+    (train.run_modes), so a resample draws step indices and keeps the pairs together, and load
+    that hit step i hits both sides of the ratio. Percentile bootstrap (Efron & Tibshirani,
+    "An Introduction to the Bootstrap", 1993, ch. 13), seeded: the same timings always give the
+    same interval.
+    """
+    a, b = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"need two paired lists of at least 2 timings, got {len(a)} and "
+                         f"{len(b)}")
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return {"ratio": float(np.median(a) / np.median(b)), "ci95": [float(low), float(high)],
+            "n": len(a), "resamples": resamples}

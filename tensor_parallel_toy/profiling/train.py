@@ -1,4 +1,5 @@
-"""One training run of one mode on this rank, with the metrics the profile reports per step.
+"""The training runs of the profile on this rank, every mode side by side, interleaved step by
+step, with the metrics the profile reports per step.
 
 Modes (the same network, initial weights, data and optimizer in all four):
     baseline    `Transformer(config)` on one rank, plain nn.Linear, no communication
@@ -81,74 +82,114 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None):
 
 
 class _Progress:
-    """One line per mode on rank 0, rewritten in place on a terminal."""
+    """One line per step on rank 0 with every mode's loss and time, rewritten in place on a
+    terminal, a few lines in all otherwise."""
 
-    def __init__(self, mode, steps, enabled):
-        self.mode, self.steps = mode, steps
-        self.enabled = enabled
+    def __init__(self, steps, enabled):
+        self.steps, self.enabled = steps, enabled
         self.tty = sys.stdout.isatty()
 
-    def update(self, step, loss, seconds):
+    def update(self, step, last):
         if not self.enabled:
             return
-        line = (f"  {self.mode:<10} step {step + 1:>3}/{self.steps}  loss {loss:7.4f}  "
-                f"{seconds * 1e3:8.1f} ms/step")
+        line = f"  step {step + 1:>3}/{self.steps}  " + "  ".join(
+            f"{mode} {loss:.4f} {seconds * 1e3:.1f} ms" for mode, (loss, seconds) in last.items())
         if self.tty:
             print("\r" + line, end="\n" if step + 1 == self.steps else "", flush=True)
         elif (step + 1) % max(1, self.steps // 4) == 0 or step + 1 == self.steps:
             print(line, flush=True)
 
 
-def run_mode(mode, spec):
-    """Train `mode` for spec.steps steps on this rank (spec: a ProfileSpec); every rank of the
-    TP group calls it.
-    Returns this rank's per-step lists (loss, grad_norm, step_time_s) and memory, or None on
-    ranks that take no part (the baseline runs on rank 0 alone)."""
+def interleaved_order(modes, step):
+    """The order the modes run in at `step`: rotated by one each step, so that no mode always
+    runs first (after a barrier wait) or always after the same other mode."""
+    k = step % len(modes)
+    return list(modes[k:]) + list(modes[:k])
+
+
+def run_modes(modes, spec):
+    """Train every mode of `modes` side by side on this rank, interleaved step by step: step k
+    of each mode runs on the same batch, one after the other, in `interleaved_order`. A minute
+    of load from other work on the machine then lands on every mode alike, and step k of two
+    modes is a paired sample (see report.ratio_interval). Every rank of the TP group calls it;
+    the baseline runs on rank 0 alone with `spec.baseline_threads` threads.
+
+    Returns {mode: this rank's per-step lists (loss, grad_norm, step_time_s) and memory},
+    without the baseline on ranks other than 0."""
     group = dist.group.WORLD if dist.is_initialized() else None
     rank = dist.get_rank() if group is not None else 0
-    if mode == "baseline" and rank != 0:
-        return None
-    threads = torch.get_num_threads()
-    if mode == "baseline":  # the other ranks sit idle: give it the whole machine
-        torch.set_num_threads(spec.baseline_threads)
-    try:
-        return _train(mode, spec, group, rank)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train(mode, spec, group, rank):
-    device, dtype = current_device(), spec.torch_dtype
-    model = build_model(mode, spec.config, group, device, dtype, spec.seed)
-    optimizer = make_optimizer(model, spec.lr)
-    corpus = _corpus(spec.seed)
-    aligned = mode != "baseline" and group is not None
-    progress = _Progress(mode, spec.steps, spec.progress and rank == 0)
-    out = {"rank": rank, "threads": torch.get_num_threads(), "loss": [], "grad_norm": [],
-           "step_time_s": []}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    runs = {mode: _ModeRun(mode, spec, group, rank) for mode in modes
+            if mode != "baseline" or rank == 0}
+    progress = _Progress(spec.steps, spec.progress and rank == 0)
     for step in range(spec.steps):
-        ids, labels = (t.to(device) for t in data.batch(corpus, step, spec.batch, spec.seq,
+        # Every rank derives the order from the same full list, or their collectives would
+        # pair one mode's step on one rank with another mode's on the next.
+        for mode in interleaved_order(modes, step):
+            if mode in runs:
+                runs[mode].step(step)
+        progress.update(step, {m: (r.out["loss"][-1], r.out["step_time_s"][-1])
+                               for m, r in runs.items()})
+    for run in runs.values():
+        run.finish()
+    return {mode: run.out for mode, run in runs.items()}
+
+
+class _ModeRun:
+    """One mode's model, optimizer and measurements on this rank."""
+
+    def __init__(self, mode, spec, group, rank):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+        self.mode, self.spec, self.group, self.rank = mode, spec, group, rank
+        self.device = current_device()
+        # The other ranks sit idle while the baseline runs: give it the whole machine.
+        self.threads = spec.baseline_threads if mode == "baseline" else torch.get_num_threads()
+        self.model = build_model(mode, spec.config, group, self.device, spec.torch_dtype,
+                                 spec.seed)
+        self.optimizer = make_optimizer(self.model, spec.lr)
+        self.corpus = _corpus(spec.seed)
+        self.aligned = mode != "baseline" and group is not None
+        self.out = {"rank": rank, "threads": self.threads, "loss": [], "grad_norm": [],
+                    "step_time_s": []}
+
+    def step(self, step):
+        spec, device = self.spec, self.device
+        ids, labels = (t.to(device) for t in data.batch(self.corpus, step, spec.batch, spec.seq,
                                                         spec.seed))
-        meter = SavedActivationBytes(model) if step == 0 else None  # step 0 is warm-up
-        if aligned:
-            dist.barrier(group=group)
-        start = now(device)
-        loss, norm, sizes = train_step(mode, model, optimizer, ids, labels, group, meter)
-        seconds = now(device) - start
+        meter = SavedActivationBytes(self.model) if step == 0 else None  # step 0 is warm-up
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            if device.type == "cuda":
+                resident = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            if self.aligned:
+                dist.barrier(group=self.group)
+            start = now(device)
+            loss, norm, sizes = train_step(self.mode, self.model, self.optimizer, ids, labels,
+                                           self.group, meter)
+            seconds = now(device) - start
+        finally:
+            torch.set_num_threads(threads)
         if sizes is not None:
-            out["memory"] = {**sizes, "saved_activation_bytes": meter.bytes,
-                             "saved_activation_storages": meter.count}
-        out["loss"].append(loss)
-        out["grad_norm"].append(norm)
-        out["step_time_s"].append(seconds)
-        progress.update(step, loss, seconds)
-    if device.type == "cuda":
-        out["memory"]["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-    if spec.trace_dir and mode != "baseline":
-        _export_trace(mode, model, optimizer, corpus, spec, group, rank, device)
-    return out
+            self.out["memory"] = {**sizes, "saved_activation_bytes": meter.bytes,
+                                  "saved_activation_storages": meter.count}
+        if device.type == "cuda":
+            # The other modes' models live on the same device: count this mode's own resident
+            # state (parameters, optimizer state; the gradients were freed) plus what its
+            # step allocated on top of everything resident.
+            mem = self.out["memory"]
+            own = mem["param_bytes"] + mem["optimizer_bytes"]
+            peak = own + torch.cuda.max_memory_allocated(device) - resident
+            mem["cuda_max_allocated_bytes"] = max(mem.get("cuda_max_allocated_bytes", 0), peak)
+        self.out["loss"].append(loss)
+        self.out["grad_norm"].append(norm)
+        self.out["step_time_s"].append(seconds)
+
+    def finish(self):
+        if self.spec.trace_dir and self.mode != "baseline":
+            _export_trace(self.mode, self.model, self.optimizer, self.corpus, self.spec,
+                          self.group, self.rank, self.device)
 
 
 def _export_trace(mode, model, optimizer, corpus, spec, group, rank, device):

@@ -16,8 +16,9 @@ import torch.nn as nn
 from tensor_parallel_toy.profiling import cli as profile
 from tensor_parallel_toy.profiling import data
 from tensor_parallel_toy.profiling.bench_overlap import OPS
-from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
+from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
 from tensor_parallel_toy.profiling.spec import MODES
+from tensor_parallel_toy.profiling.train import interleaved_order
 
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
         "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
@@ -56,6 +57,36 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     assert set(saved["timeline"]["spans"]) == {"tp", "tp_overlap"}
     assert len(saved["targets"]) == 4
     assert "targets:" in summary
+    for name, r in saved["ratios"].items():  # every pair, paired over the same timed steps
+        a, b = name.split("/")
+        assert r["n"] == 3 and r["ci95"][0] <= r["ratio"] <= r["ci95"][1], (name, r)
+        assert r["ratio"] == pytest.approx(saved["modes"][a]["step_time"]["median"]
+                                           / saved["modes"][b]["step_time"]["median"]), name
+    assert "tp_overlap/tp" in saved["ratios"] and "95%" in summary
+
+
+def test_modes_are_interleaved_each_first_equally_often_in_one_order_on_every_rank():
+    orders = [interleaved_order(MODES, step) for step in range(2 * len(MODES))]
+    assert all(sorted(o) == sorted(MODES) for o in orders), orders
+    firsts = [o[0] for o in orders]
+    assert all(firsts.count(m) == 2 for m in MODES), firsts
+    # Consecutive steps never repeat the order (a mode never always follows the same mode).
+    assert all(a != b for a, b in zip(orders, orders[1:])), orders
+
+
+def test_ratio_interval_is_paired_and_covers_the_true_ratio():
+    gen = torch.Generator().manual_seed(0)
+    load = 1 + 3 * torch.rand(40, generator=gen)  # a machine whose load swings 1x to 4x
+    fast = (10 * load).tolist()
+    slow = (15 * load * (1 + 0.01 * torch.randn(40, generator=gen))).tolist()
+    r = ratio_interval(slow, fast)
+    assert r["ci95"][0] <= 1.5 <= r["ci95"][1] and r["ci95"][1] - r["ci95"][0] < 0.05, r
+    # Unpaired (one side shuffled against the other), the same numbers say far less.
+    shuffled = ratio_interval(slow, fast[::-1][5:] + fast[::-1][:5])
+    assert shuffled["ci95"][1] - shuffled["ci95"][0] > 4 * (r["ci95"][1] - r["ci95"][0]), shuffled
+    assert ratio_interval(fast, fast)["ci95"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="paired"):
+        ratio_interval([1.0, 2.0], [1.0])
 
 
 @pytest.mark.parametrize("flags, words", [
