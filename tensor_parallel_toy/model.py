@@ -165,8 +165,9 @@ class Transformer(nn.Module):
 
     `model(input_ids)`: input_ids `[b, s]`, the same full batch on every rank, any s up to
     max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection).
-    `model.loss(input_ids, labels)`: the mean cross-entropy over the tokens whose label is not
-    ignore_index, the same scalar on every rank, from vocab-sharded logits (never gathered).
+    `model(input_ids, labels)` (or `model.loss(...)`, the same): the mean cross-entropy over
+    the tokens whose label is not ignore_index, the same scalar on every rank, from
+    vocab-sharded logits (never gathered).
 
     The batch is validated once per call, before any collective: its shape and length always;
     its token ids and labels when `check_ids` says so (None, the default: when they are on the
@@ -231,18 +232,21 @@ class Transformer(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.head(self.norm(x))  # [s', b, V/p]
 
-    def forward(self, input_ids):
-        self._check_batch(input_ids)
-        logits = self._local_logits(input_ids)  # [s', b, V/p]
-        logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
-        return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
+    def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
+                reduction="mean"):
+        """`model(input_ids)`: the full logits `[b, s, V]`. `model(input_ids, labels)`: the
+        cross-entropy of the logits at each position against labels `[b, s]` (already shifted
+        by the caller), as F.cross_entropy computes it on the full logits, with the same
+        keywords. "mean" is over the tokens not labelled ignore_index; "none" returns `[b, s]`.
+        Under TP: from the vocab-sharded logits, which are never gathered.
 
-    def loss(self, input_ids, labels, *, ignore_index=-100, label_smoothing=0.0,
-             reduction="mean"):
-        """Cross-entropy of the logits at each position against labels `[b, s]` (already
-        shifted by the caller), as F.cross_entropy computes it on the full logits, with the
-        same keywords. "mean" is over the tokens not labelled ignore_index; "none" returns
-        `[b, s]`. Under TP: from the vocab-sharded logits, which are never gathered."""
+        The loss is computed here, in `forward`, so that an engine which hooks `forward`
+        (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
+        if labels is None:
+            self._check_batch(input_ids)
+            logits = self._local_logits(input_ids)  # [s', b, V/p]
+            logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
+            return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
         check_loss_options(label_smoothing, reduction)
         self._check_batch(input_ids, labels, ignore_index)  # before the forward's collectives
         if self.tp_group is None:
@@ -256,6 +260,10 @@ class Transformer(nn.Module):
             self._local_logits(input_ids), labels_t, self.tp_group, ignore_index=ignore_index,
             label_smoothing=label_smoothing, reduction=reduction, check_ids=False)
         return loss[:labels.shape[1]].t() if reduction == "none" else loss
+
+    def loss(self, input_ids, labels, **kwargs):
+        """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""
+        return self(input_ids, labels, **kwargs)
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
