@@ -21,7 +21,7 @@ norms) gets a gradient that is only a partial sum over this rank's tokens: DTens
 implicitly, once per op that reads it, but anything that takes the local tensor (a gradient
 norm from local shards, a custom optimizer, a hook, a check) silently sees 1/p of the tokens.
 `reduce_partial_grads` puts every gradient into its parameter's own placement once per step
-(one all-reduce per norm weight, like the hand-written model's gradient hooks), after which a
+(one all-reduce per norm weight, like the one in the hand-written norm's backward), after which a
 replicated gradient is the full gradient on every rank.
 """
 import torch
