@@ -80,14 +80,16 @@ def check_plan(config, tp_size):
                          f"leave the dtensor mode out")
 
 
-def parallelize(model, tp_group, device_type="cpu"):
-    """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp_group`.
+def parallelize(model, tp, device_type="cpu"):
+    """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp`: a process
+    group, or a 1-D DeviceMesh (the "tp" dimension of a 2-D mesh, for `fully_shard` over its
+    "dp" dimension afterwards: see data_parallel.py).
 
     Every rank must pass the same full model (e.g. `Transformer(config, seed=s)`): each keeps
     its own shard of every split weight, so the result starts from the baseline's weights.
     """
-    check_plan(model.config, tp_group.size())
-    mesh = DeviceMesh.from_group(tp_group, device_type)
+    mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
+    check_plan(model.config, mesh.size())
     return parallelize_module(model, mesh, tp_plan(model.config))
 
 
