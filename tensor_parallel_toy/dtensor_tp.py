@@ -127,7 +127,10 @@ def reduce_partial_grads(model):
 def grad_norm(model, tp_group):
     """Global L2 norm of the gradients, from local shards, read from the DTensor placements:
     a `Shard` gradient's local squares are summed over the group, a `Replicate` one is counted
-    once. A `Partial` gradient has no meaningful local norm: reduce it first."""
+    once. A `Partial` gradient has no meaningful local norm: reduce it first. For the 1-D TP
+    mesh only; after `fully_shard` (2-D placements) use
+    `torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])`, which reads every
+    mesh dimension's placement."""
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for name, param in model.named_parameters():
