@@ -14,7 +14,7 @@ from tensor_parallel_toy import ModelConfig, Transformer, dtensor_tp
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.data_parallel import (apply_ddp, apply_fsdp, data_parallel_loss,
                                                init_mesh_2d, split_batch)
-from tensor_parallel_toy.sharding import grad_norm
+from tensor_parallel_toy.sharding import grad_norm, named_layouts
 
 from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, random_batch,
                       value_error_messages)
@@ -141,6 +141,34 @@ def test_2x2_fsdp_bf16_mixed_precision_is_as_close_as_single_device_bf16(pools):
     for errors in per_rank:
         errors.pop("#grads")
     assert_bf16(per_rank, "2x2 fsdp x ours, bf16 params / fp32 reduce")
+
+
+def _on_rank_marks_across_fully_shard():
+    """What fully_shard does to the Parameters, and what survives it."""
+    mesh = _mesh()
+    model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), seed=0)
+    before = {n: (p, layout) for n, p, layout in named_layouts(model)}
+    apply_fsdp(model, mesh)
+    after = {n: (p, layout) for n, p, layout in named_layouts(model)}
+    return {"names": sorted(before) == sorted(after),
+            "replaced": sum(after[n][0] is not before[n][0] for n in after),
+            "marks left on the new Parameters": sum(
+                hasattr(p, "tensor_parallel_dim") or hasattr(p, "sequence_parallel")
+                for p, _ in after.values()),
+            "layouts kept": sum(after[n][1] == before[n][1] for n in after),
+            "sequence parallel": sum(layout.sequence_parallel for _, layout in after.values()),
+            "count": len(after)}
+
+
+def test_fully_shard_replaces_every_parameter_and_the_recorded_layouts_survive(pools):
+    """The reason the marks live on the modules and the norm sums in the graph: fully_shard
+    swaps every Parameter (a hook or an attribute on the old one is gone), the names stay."""
+    n_norms = 2 * CONFIG.num_layers + 1
+    for r in pools(4).run(_on_rank_marks_across_fully_shard):
+        n = r["count"]
+        assert r["names"] and r["replaced"] == n and r["layouts kept"] == n, r
+        assert r["marks left on the new Parameters"] == 0, r
+        assert r["sequence parallel"] == n_norms, r
 
 
 def _on_rank_bad_mesh():
