@@ -14,7 +14,8 @@ tensor_parallel_dim
 sequence_parallel
     replicated, but applied to this rank's s/p tokens only: each rank's gradient is a partial
     sum over the sequence, which the layer itself sums over the TP group in its backward
-    (RMSNorm sends its weight through `f`); the mark says so to a reader of the layout
+    (RMSNorm sends its weight through `f`); nothing communicates on the mark, it documents
+    the layout (and the tests count it)
     set by:  mark_sequence_parallel (the RMSNorm weights)
 init_std
     std of the model's normal init; None: keep the values built (a norm's ones)
@@ -29,7 +30,6 @@ that owns it; `named_layouts` reads them back from a wrapped model or a bare one
 from dataclasses import dataclass
 
 import torch
-
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .comm import all_gather_dim, all_reduce_, group_rank, group_size
