@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
-from .sharding import mark_tensor_parallel, tensor_parallel_dim
+from .sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
 
 # The class attributes a block declares its layers with; the underscored names are the ones
 # this package first published, still accepted.
@@ -191,7 +191,7 @@ def apply_tensor_parallel(model, tp_group):
         parent = _resolve(block, parent_path, "") if parent_path else block
         cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
         setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
-    return model
+    return record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
 
 
 @torch.no_grad()
@@ -203,10 +203,11 @@ def sync_replicated_gradients(model, tp_group):
     order of floating-point operations. Averaging them at each step keeps the replicas from
     drifting apart over a long run. Sharded parameters (`tensor_parallel_dim` set) are left
     alone: each rank's is a different slice. Call after backward, before the optimizer step.
+    There is no sequence parallelism here, so no partial sums: nothing to add up in backward.
     """
     grads = {}
-    for param in model.parameters():
-        if param.grad is not None and tensor_parallel_dim(param) is None:
+    for _, param, layout in named_layouts(model):
+        if param.grad is not None and tensor_parallel_dim(layout) is None:
             grads.setdefault(param.grad.dtype, []).append(param.grad)
     for same_dtype in grads.values():
         average_over_group_(same_dtype, tp_group)

@@ -9,68 +9,82 @@ The world is a dp x tp grid of ranks; global rank = dp_index * tp + tp_index:
                  DP groups: the same shard of the model in each copy
 
 TP groups are runs of consecutive ranks, so under torchrun they stay inside one machine, where
-the links are fastest; DP traffic (one gradient all-reduce per step) crosses machines.
+the links are fastest; DP traffic (gradient reduction) crosses machines. `init_mesh_2d` builds
+this grid as a DeviceMesh with dimensions ("dp", "tp").
+
+The data-parallel part is PyTorch's own, applied over the "dp" dimension:
+- `apply_fsdp`: FSDP2 (`fully_shard`), each block and then the root. Every rank stores 1/dp of
+  its TP shard of the parameters, gradients and optimizer state; the block's parameters are
+  all-gathered before its forward and backward, its gradients reduce-scattered after.
+- `apply_ddp`: DDP. Every rank keeps its whole TP shard; gradients are all-reduced in buckets
+  while backward runs.
+Both average the gradients over the DP group during backward. Both hook the wrapped module's
+`forward`, which is why the model computes its loss there: `model(ids, labels)`.
 
 One training step:
 1. every rank of a TP group gets the same DP slice of the global batch (`split_batch`);
-2. forward and backward inside the TP group, as for a single TP model;
-3. the gradients are averaged over the DP group (`average_gradients`): each rank averages its
-   own shard with the same shard of the other copies.
+2. forward and backward inside the TP group, as for a single TP model, the engine averaging
+   the gradients over the DP group as they are produced;
+3. the optimizer step on this rank's parameters (FSDP: its shard of them).
 With `data_parallel_loss` the result is exactly the loss and gradients of the whole batch on
-one device.
+one device, even when the DP ranks count different numbers of tokens.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from .comm import all_reduce_, average_over_group_, group_rank, group_size
-
-
-@dataclass(frozen=True)
-class Mesh2D:
-    """This rank's place in the dp x tp grid and its two process groups."""
-    dp_size: int
-    tp_size: int
-    dp_rank: int
-    tp_rank: int
-    dp_group: object
-    tp_group: object
+from .comm import all_reduce_, group_rank, group_size
 
 
-def init_mesh_2d(dp_size, tp_size):
-    """Create the TP and DP groups of a dp_size x tp_size grid over the whole world.
+def init_mesh_2d(dp_size, tp_size, device_type="cpu"):
+    """The dp_size x tp_size grid over the whole world, a DeviceMesh with dimensions
+    ("dp", "tp"): `mesh["tp"].get_group()` is this rank's TP group, `mesh["dp"]` its DP mesh.
 
-    Every rank must call this, with the same arguments: `new_group` is collective, each rank
-    creates every group in the same order and keeps the two it belongs to. (With DeviceMesh
-    the same grid is `init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`.)
+    Every rank must call this, with the same arguments (creating the groups is collective);
+    the sizes are checked first, so a bad one is one ValueError on every rank.
     """
-    world = dist.get_world_size()
     for name, value in (("dp_size", dp_size), ("tp_size", tp_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    world = dist.get_world_size()
     if dp_size * tp_size != world:
         raise ValueError(f"dp_size={dp_size} x tp_size={tp_size} = {dp_size * tp_size} ranks, "
                          f"but the world has {world}")
-    rank = dist.get_rank()
-    tp_group = dp_group = None
-    for d in range(dp_size):
-        ranks = [d * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = group
-    for t in range(tp_size):
-        ranks = [d * tp_size + t for d in range(dp_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = group
-    return Mesh2D(dp_size, tp_size, rank // tp_size, rank % tp_size, dp_group, tp_group)
+    return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
-def destroy_mesh_2d(mesh):
-    """Release the two groups (every rank calls it; only needed when the world lives on)."""
-    for group in (mesh.tp_group, mesh.dp_group):
-        dist.destroy_process_group(group)
+def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
+    """FSDP2 over `mesh["dp"]` on a `Transformer`, ours (tp_group=mesh["tp"].get_group()) or
+    the DTensor plan's (`dtensor_tp.parallelize(model, mesh["tp"])`). Returns `model`.
+
+    Each block is its own unit, so only one block's full parameters exist at a time and its
+    all-gather can overlap the previous block's compute; the root unit holds the rest
+    (embedding, final norm, head). A parameter is split along its dim 0 over the DP ranks: for
+    ours a plain tensor (this TP rank's shard) becomes a DTensor on the DP mesh; for the DTensor
+    plan a DTensor on the TP mesh becomes one on the 2-D mesh. `mp_policy`, e.g.
+    `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`: compute in
+    bf16, keep fp32 parameters and reduce the gradients in fp32.
+    """
+    kwargs = dict(mesh=mesh["dp"], reshard_after_forward=reshard_after_forward,
+                  mp_policy=mp_policy or MixedPrecisionPolicy())
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_ddp(model, mesh):
+    """DDP over `mesh["dp"]` on our `Transformer` (tp_group=mesh["tp"].get_group()).
+
+    Call the wrapper (`ddp(ids, labels)`), never `ddp.module`'s methods for the step: DDP
+    reduces the gradients only of a backward that followed its own `forward`. The full state
+    dict and gradients are `ddp.module.full_state_dict()` / `.full_grads()`. The model's
+    buffers are fixed tables (rotary angles), the same on every rank: no need to broadcast
+    them before every forward.
+    """
+    return DistributedDataParallel(model, device_mesh=mesh["dp"], forward_sync_buffers=False)
 
 
 def split_batch(x, dp_group):
@@ -90,23 +104,12 @@ def data_parallel_loss(model, input_ids, labels, dp_group, *, ignore_index=-100,
     tokens; ignore_index labels (or padding) can break that. So each rank returns
         its sum of token losses / (tokens counted on all DP ranks / dp)
     which is its plain mean when the counts are equal, and exact when they are not. The
-    mean of these over DP is the whole batch's loss, the mean of their gradients its gradient:
-    call `average_gradients` after backward. Costs one tiny all-reduce of the token count.
+    mean of these over DP is the whole batch's loss, the mean of their gradients its gradient,
+    which is what FSDP and DDP compute. `model` is the wrapped model (its forward is called).
+    Costs one tiny all-reduce of the token count.
     """
-    loss_sum = model.loss(input_ids, labels, ignore_index=ignore_index, reduction="sum",
-                          **kwargs)  # checks its arguments first, before any collective
+    loss_sum = model(input_ids, labels, ignore_index=ignore_index, reduction="sum",
+                     **kwargs)  # checks its arguments first, before any collective
     counted = (labels != ignore_index).sum().to(torch.float64)
     all_reduce_(counted, dp_group)  # same labels on TP peers, so the count is too
     return loss_sum / (counted / group_size(dp_group)).to(loss_sum.dtype)
-
-
-@torch.no_grad()
-def average_gradients(model, dp_group):
-    """Average every gradient over the DP group: sharded and replicated parameters alike,
-    since rank (d, t) holds the same shard as rank (d', t). One all-reduce per dtype."""
-    grads = {}
-    for param in model.parameters():
-        if param.grad is not None:
-            grads.setdefault(param.grad.dtype, []).append(param.grad)
-    for same_dtype in grads.values():
-        average_over_group_(same_dtype, dp_group)

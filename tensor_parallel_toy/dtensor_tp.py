@@ -21,7 +21,7 @@ norms) gets a gradient that is only a partial sum over this rank's tokens: DTens
 implicitly, once per op that reads it, but anything that takes the local tensor (a gradient
 norm from local shards, a custom optimizer, a hook, a check) silently sees 1/p of the tokens.
 `reduce_partial_grads` puts every gradient into its parameter's own placement once per step
-(one all-reduce per norm weight, like the hand-written model's gradient hooks), after which a
+(one all-reduce per norm weight, like the one in the hand-written norm's backward), after which a
 replicated gradient is the full gradient on every rank.
 """
 import torch
@@ -80,14 +80,16 @@ def check_plan(config, tp_size):
                          f"leave the dtensor mode out")
 
 
-def parallelize(model, tp_group, device_type="cpu"):
-    """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp_group`.
+def parallelize(model, tp, device_type="cpu"):
+    """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp`: a process
+    group, or a 1-D DeviceMesh (the "tp" dimension of a 2-D mesh, for `fully_shard` over its
+    "dp" dimension afterwards: see data_parallel.py).
 
     Every rank must pass the same full model (e.g. `Transformer(config, seed=s)`): each keeps
     its own shard of every split weight, so the result starts from the baseline's weights.
     """
-    check_plan(model.config, tp_group.size())
-    mesh = DeviceMesh.from_group(tp_group, device_type)
+    mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
+    check_plan(model.config, mesh.size())
     return parallelize_module(model, mesh, tp_plan(model.config))
 
 
@@ -125,7 +127,10 @@ def reduce_partial_grads(model):
 def grad_norm(model, tp_group):
     """Global L2 norm of the gradients, from local shards, read from the DTensor placements:
     a `Shard` gradient's local squares are summed over the group, a `Replicate` one is counted
-    once. A `Partial` gradient has no meaningful local norm: reduce it first."""
+    once. A `Partial` gradient has no meaningful local norm: reduce it first. For the 1-D TP
+    mesh only; after `fully_shard` (2-D placements) use
+    `torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])`, which reads every
+    mesh dimension's placement."""
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for name, param in model.named_parameters():

@@ -31,22 +31,35 @@ from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_r
                    group_rank, group_size)
 from .config import ModelConfig, check_seq_len, padded_seq_len
 from .parallel_linear import column_linear, column_parallel_linear, row_linear
-from .sharding import (full_shape, init_std, mark_init_std, mark_sequence_parallel,
-                       register_sequence_parallel_grad_hooks, shard, unshard)
+from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
+                       mark_sequence_parallel, named_layouts, record_layouts,
+                       scatter_data_parallel, shard, unshard)
 from .vocab_parallel import (VocabParallelEmbedding, check_loss_options, check_token_ids,
                              vocab_parallel_cross_entropy)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
+    """x `[s/p, b, h]` (this rank's sequence rows) -> the same shape, each row scaled to unit
+    RMS and multiplied by the weight `[h]`, which is replicated on every rank.
+
+    Under SP each rank applies the weight to its own s/p rows only, so its gradient here is a
+    partial sum over those rows; the weight's true gradient is the sum over the TP group. The
+    weight therefore enters through `f` (forward identity, backward all-reduce): the sum is
+    part of the autograd graph, so it survives engines that replace the Parameter objects
+    (`fully_shard`), and each backward sums only its own contribution before autograd adds it
+    to `.grad` (gradient accumulation stays exact).
+    """
+
+    def __init__(self, dim, eps=1e-5, tp_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp_group = eps, tp_group
         weight = mark_sequence_parallel(nn.Parameter(torch.ones(dim)))
         self.weight = mark_init_std(weight, None)  # keep the ones
 
     def forward(self, x):
         rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
-        return (x.float() * rms).type_as(x) * self.weight
+        weight = copy_to_tensor_parallel_region(self.weight, self.tp_group)  # [h]
+        return (x.float() * rms).type_as(x) * weight
 
 
 def rotary_tables(seq_len, head_dim, base):
@@ -150,9 +163,9 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
         self.attn = Attention(config, tp_group, overlap)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
         self.mlp = MLP(config, tp_group, overlap)
 
     def forward(self, x, cos, sin):
@@ -165,8 +178,9 @@ class Transformer(nn.Module):
 
     `model(input_ids)`: input_ids `[b, s]`, the same full batch on every rank, any s up to
     max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection).
-    `model.loss(input_ids, labels)`: the mean cross-entropy over the tokens whose label is not
-    ignore_index, the same scalar on every rank, from vocab-sharded logits (never gathered).
+    `model(input_ids, labels)` (or `model.loss(...)`, the same): the mean cross-entropy over
+    the tokens whose label is not ignore_index, the same scalar on every rank, from
+    vocab-sharded logits (never gathered).
 
     The batch is validated once per call, before any collective: its shape and length always;
     its token ids and labels when `check_ids` says so (None, the default: when they are on the
@@ -188,7 +202,7 @@ class Transformer(nn.Module):
                                                 tp_group=tp_group, check_ids=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
         self.head = column_linear(config.hidden_size, config.vocab_size, tp_group, overlap)
         if config.tie_embeddings:
             # One Parameter, two uses: both gradients accumulate into it. Under TP the head
@@ -200,7 +214,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
-        register_sequence_parallel_grad_hooks(self, tp_group)
+        record_layouts(self)  # where wrapping (fully_shard, DDP) cannot drop them
 
     # -- forward ---------------------------------------------------------------------------------
     def _check_batch(self, input_ids, labels=None, ignore_index=None):
@@ -231,18 +245,21 @@ class Transformer(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin)
         return self.head(self.norm(x))  # [s', b, V/p]
 
-    def forward(self, input_ids):
-        self._check_batch(input_ids)
-        logits = self._local_logits(input_ids)  # [s', b, V/p]
-        logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
-        return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
+    def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
+                reduction="mean"):
+        """`model(input_ids)`: the full logits `[b, s, V]`. `model(input_ids, labels)`: the
+        cross-entropy of the logits at each position against labels `[b, s]` (already shifted
+        by the caller), as F.cross_entropy computes it on the full logits, with the same
+        keywords. "mean" is over the tokens not labelled ignore_index; "none" returns `[b, s]`.
+        Under TP: from the vocab-sharded logits, which are never gathered.
 
-    def loss(self, input_ids, labels, *, ignore_index=-100, label_smoothing=0.0,
-             reduction="mean"):
-        """Cross-entropy of the logits at each position against labels `[b, s]` (already
-        shifted by the caller), as F.cross_entropy computes it on the full logits, with the
-        same keywords. "mean" is over the tokens not labelled ignore_index; "none" returns
-        `[b, s]`. Under TP: from the vocab-sharded logits, which are never gathered."""
+        The loss is computed here, in `forward`, so that an engine which hooks `forward`
+        (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
+        if labels is None:
+            self._check_batch(input_ids)
+            logits = self._local_logits(input_ids)  # [s', b, V/p]
+            logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
+            return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
         check_loss_options(label_smoothing, reduction)
         self._check_batch(input_ids, labels, ignore_index)  # before the forward's collectives
         if self.tp_group is None:
@@ -257,36 +274,46 @@ class Transformer(nn.Module):
             label_smoothing=label_smoothing, reduction=reduction, check_ids=False)
         return loss[:labels.shape[1]].t() if reduction == "none" else loss
 
+    def loss(self, input_ids, labels, **kwargs):
+        """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""
+        return self(input_ids, labels, **kwargs)
+
     # -- weights ---------------------------------------------------------------------------------
+    # Each works on the bare model and on one wrapped by fully_shard (whose parameters are then
+    # split over the data-parallel ranks too) or DDP (call them on `ddp.module`).
     @torch.no_grad()
     def reset_parameters(self, seed=0):
         """Draw every *full* weight from its own generator (seeded by seed and name) and keep
         this rank's shard: any TP size starts from exactly the baseline's weights."""
-        for name, param in self.named_parameters():
-            std = init_std(param)
+        for name, param, layout in named_layouts(self):
+            std = init_std(layout)
             if std is None:
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(full_shape(param, self.tp_size), generator=gen) * std
-            param.copy_(shard(full, param, self.tp_group))
+            full = torch.randn(full_shape(param, self.tp_size, layout), generator=gen) * std
+            local = shard(full, param, self.tp_group, layout)
+            param.copy_(scatter_data_parallel(local.to(param.device, param.dtype), param))
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):
         """Load a baseline `Transformer(config).state_dict()`, keeping this rank's shards."""
-        for name, param in self.named_parameters():
-            full, shape = state_dict[name], full_shape(param, self.tp_size)
+        for name, param, layout in named_layouts(self):
+            full, shape = state_dict[name], full_shape(param, self.tp_size, layout)
             if list(full.shape) != shape:
                 raise ValueError(f"{name}: checkpoint shape {list(full.shape)} does not match "
                                  f"the model's full shape {shape}")
-            param.copy_(shard(full.to(param.device, param.dtype), param, self.tp_group))
+            local = shard(full.to(param.device, param.dtype), param, self.tp_group, layout)
+            param.copy_(scatter_data_parallel(local, param))
 
     @torch.no_grad()
     def full_state_dict(self):
         """Full (unsharded) parameters under the baseline's keys, on every rank."""
-        return {n: unshard(p.detach(), p, self.tp_group) for n, p in self.named_parameters()}
+        return {n: unshard(gather_data_parallel(p.detach()), p, self.tp_group, layout)
+                for n, p, layout in named_layouts(self)}
 
     @torch.no_grad()
     def full_grads(self):
         """Full (unsharded) gradients under the baseline's keys, on every rank."""
-        return {n: None if p.grad is None else unshard(p.grad, p, self.tp_group)
-                for n, p in self.named_parameters()}
+        return {n: None if p.grad is None else
+                unshard(gather_data_parallel(p.grad), p, self.tp_group, layout)
+                for n, p, layout in named_layouts(self)}

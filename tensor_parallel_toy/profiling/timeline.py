@@ -14,8 +14,8 @@ communication stream.
 
 Every transfer of the package passes through `comm.transfer`; `record_into(clock)` installs a
 `_Recorder` there with `comm.recording`, so whatever runs inside it has every collective and
-ring step seen (a whole model's: the vocabulary-parallel embedding and loss and the gradient
-hooks included; the profile records one block), and the code being timed is the package's
+ring step seen (a whole model's: the vocabulary-parallel embedding and loss and the norms' `f`
+included; the profile records one block), and the code being timed is the package's
 own, unmodified.
 """
 import contextlib

@@ -149,7 +149,7 @@ def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, 
                                     label_smoothing=label_smoothing)
         loss_base.backward()
         note("logits", max_rel_error(tp(ids), logits_base))
-        loss_tp = tp.loss(ids, labels, label_smoothing=label_smoothing)
+        loss_tp = tp(ids, labels, label_smoothing=label_smoothing)
         loss_tp.backward()
         note("loss", max_rel_error(loss_tp, loss_base))
         full_grads = tp.full_grads()

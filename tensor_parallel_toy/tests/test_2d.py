@@ -1,68 +1,174 @@
-"""2D parallelism on 4 ranks, a 2 x 2 (data parallel x tensor parallel) grid: the loss and
-every gradient equal the baseline's on the whole batch."""
+"""2D parallelism on 4 ranks, a 2 x 2 (data parallel x tensor parallel) grid, the data-parallel
+part done by PyTorch's engines: FSDP2 (`fully_shard`) over our TP model and over the DTensor
+plan, DDP over our TP model. Checked against the baseline on the whole batch, along two SGD
+steps: the loss, every full gradient, the gradient norm, and every parameter afterwards; the
+model's weights are loaded into the *wrapped* model, and its gradients and state read back
+from it, so the parameter marks must have survived the wrapping."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy import ModelConfig, Transformer, dtensor_tp
 from tensor_parallel_toy.comm import all_reduce_
-from tensor_parallel_toy.data_parallel import (average_gradients, data_parallel_loss,
-                                               destroy_mesh_2d, init_mesh_2d, split_batch)
-from tensor_parallel_toy.sharding import grad_norm
+from tensor_parallel_toy.data_parallel import (apply_ddp, apply_fsdp, data_parallel_loss,
+                                               init_mesh_2d, split_batch)
+from tensor_parallel_toy.sharding import grad_norm, named_layouts
 
-from .helpers import (MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch,
+from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, random_batch,
                       value_error_messages)
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)
 GLOBAL_BATCH = 4
+STEPS = 2
+
+# One 2 x 2 mesh per rank process, made on first use: creating its groups is collective, and
+# DeviceMesh cannot free them, so every test on the shared 4-rank pool reuses it.
+_MESH = {}
 
 
-def _on_rank_2d(overlap, seq, steps=2):
-    mesh = init_mesh_2d(dp_size=2, tp_size=2)
-    base = Transformer(CONFIG, seed=0)
-    model = Transformer(CONFIG, tp_group=mesh.tp_group, overlap=overlap, seed=0)
-    opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    base_params = dict(base.named_parameters())
-    errors = {"#grads": 0}
-    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
-    for step in range(steps):
-        # The ignored labels fall unevenly on the two DP halves: the loss must still be the
-        # mean over the whole batch's counted tokens, not the mean of the two halves' means.
-        ids, labels = random_batch(CONFIG, GLOBAL_BATCH, seq, seed=step, ignore_frac=0.4)
-        labels[:GLOBAL_BATCH // 2, : seq // 2] = -100
-        loss_base = F.cross_entropy(base(ids).flatten(0, 1), labels.flatten())
-        loss_base.backward()
+def _mesh():
+    if "2x2" not in _MESH:
+        _MESH["2x2"] = init_mesh_2d(dp_size=2, tp_size=2)
+    return _MESH["2x2"]
 
-        loss = data_parallel_loss(model, split_batch(ids, mesh.dp_group),
-                                  split_batch(labels, mesh.dp_group), mesh.dp_group)
+
+def _wrap(engine, kind, overlap, bf16):
+    """The 2-D model: (wrapped, the Transformer inside it)."""
+    mesh = _mesh()
+    if kind == "ours":
+        # Another seed than the baseline's: loading the baseline's weights into the wrapped
+        # model (below) must be what makes them equal.
+        model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), overlap=overlap, seed=1)
+    else:
+        model = dtensor_tp.parallelize(Transformer(CONFIG, seed=0), mesh["tp"])
+    if engine == "ddp":
+        wrapped = apply_ddp(model, mesh)
+        return wrapped, wrapped.module
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else None
+    return apply_fsdp(model, mesh, mp_policy=policy), model
+
+
+def _step(wrapped, model, kind, ids, labels):
+    """One forward + backward on this DP rank's half of the batch: (whole-batch loss, full
+    gradients, grad norm), read from the wrapped model."""
+    dp_group, tp_group = _mesh()["dp"].get_group(), _mesh()["tp"].get_group()
+    ids, labels = split_batch(ids, dp_group), split_batch(labels, dp_group)
+    if kind == "ours":
+        loss = data_parallel_loss(wrapped, ids, labels, dp_group)
         loss.backward()
-        average_gradients(model, mesh.dp_group)
-        whole_batch_loss = all_reduce_(loss.detach().clone(), mesh.dp_group) / mesh.dp_size
-        note("loss", max_rel_error(whole_batch_loss, loss_base))
-        grads = model.full_grads()  # gathered over the TP group
+        grads, norm = model.full_grads(), grad_norm(wrapped, tp_group)
+    else:  # equal token counts on both halves: the mean of the two means is the batch mean
+        loss = dtensor_tp.loss_and_backward(wrapped, ids, labels)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+    whole = all_reduce_(loss.detach().float().clone(), dp_group) / dist.get_world_size(dp_group)
+    return whole, grads, float(norm)
+
+
+def _on_rank_engine(engine, kind, overlap, seq, bf16=False):
+    base = Transformer(CONFIG, seed=0)
+    bases = {"fp32": base}
+    if bf16:  # the single-device bf16 run that sets the bf16 tolerance
+        bases["bf16"] = Transformer(CONFIG, seed=0).to(torch.bfloat16)
+    wrapped, model = _wrap(engine, kind, overlap, bf16)
+    if kind == "ours":
+        model.load_full_state_dict(base.state_dict())
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for k, m in bases.items()}
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5, momentum=0.9)
+    errors = {"#grads": 0}
+
+    def note(key, actual, expected, base16=None):
+        err = max_rel_error(actual, expected)
+        if bf16:
+            old = errors.get(key, (0.0, 0.0))
+            errors[key] = (max(old[0], err), max(old[1], max_rel_error(base16, expected)))
+        else:
+            errors[key] = max(errors.get(key, 0.0), err)
+
+    for step in range(STEPS):
+        ignore = 0.4 if kind == "ours" else 0.0
+        ids, labels = random_batch(CONFIG, GLOBAL_BATCH, seq, seed=step, ignore_frac=ignore)
+        if kind == "ours":  # uneven token counts on the two DP halves
+            labels[:GLOBAL_BATCH // 2, : seq // 2] = -100
+        losses = {}
+        for k, m in bases.items():
+            losses[k] = F.cross_entropy(m(ids).flatten(0, 1).float(), labels.flatten())
+            losses[k].backward()
+        loss, grads, norm = _step(wrapped, model, kind, ids, labels)
+        params16 = dict(bases["bf16"].named_parameters()) if bf16 else {}
+        note("loss", loss, losses["fp32"], losses.get("bf16"))
         errors["#grads"] = len(grads)
-        for name, grad in grads.items():
-            note("grad:" + name, max_rel_error(grad, base_params[name].grad))
-        base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
-        note("grad_norm", max_rel_error(torch.tensor(grad_norm(model, mesh.tp_group)), base_norm))
-        opt_base.step(), opt.step()
-        opt_base.zero_grad(), opt.zero_grad()
-    for name, value in model.full_state_dict().items():
-        note("param:" + name, max_rel_error(value, base_params[name]))
-    destroy_mesh_2d(mesh)
+        for name, p in base.named_parameters():
+            note("grad:" + name, grads[name], p.grad,
+                 params16[name].grad if bf16 else None)
+        norms = {k: torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+                 for k, m in bases.items()}
+        note("grad_norm", torch.tensor(norm), norms["fp32"], norms.get("bf16"))
+        for o in (*opts.values(), opt):
+            o.step()
+            o.zero_grad()
+    full = (model.full_state_dict() if kind == "ours"
+            else {n: p.full_tensor() for n, p in model.named_parameters()})
+    for name, p in base.named_parameters():
+        note("param:" + name, full[name], p, params16[name] if bf16 else None)
     return errors
 
 
-@pytest.mark.parametrize("overlap,seq", [(False, 8), (True, 7)], ids=["basic-seq8", "overlap-seq7"])
-def test_2x2_data_x_tensor_parallel_matches_baseline_on_the_whole_batch(pools, overlap, seq):
-    per_rank = pools(4).run(_on_rank_2d, overlap, seq)
+CASES = [("fsdp", "ours", False, 8), ("fsdp", "ours", True, 7), ("fsdp", "dtensor", False, 8),
+         ("ddp", "ours", False, 8), ("ddp", "ours", True, 7)]
+
+
+@pytest.mark.parametrize("engine,kind,overlap,seq", CASES,
+                         ids=[f"{e}-{k}-{'overlap' if o else 'basic'}-seq{s}"
+                              for e, k, o, s in CASES])
+def test_2x2_engine_over_tensor_parallel_matches_baseline_on_the_whole_batch(
+        pools, engine, kind, overlap, seq):
+    per_rank = pools(4).run(_on_rank_engine, engine, kind, overlap, seq)
     counts = {errors.pop("#grads") for errors in per_rank}
     n_params = len(dict(Transformer(CONFIG).named_parameters()))
     assert counts == {n_params}, f"compared {counts} gradients, the model has {n_params}"
-    assert_errors(per_rank, MODEL_FP32_TOL, f"2x2 dp x tp, overlap={overlap}, seq={seq}")
+    assert_errors(per_rank, MODEL_FP32_TOL, f"2x2 {engine} x {kind} TP, overlap={overlap}")
+
+
+def test_2x2_fsdp_bf16_mixed_precision_is_as_close_as_single_device_bf16(pools):
+    """bf16 parameters for compute, fp32 gradient reduction and fp32 master weights: no worse
+    than the whole model in bf16 on one device (both against the fp32 baseline)."""
+    per_rank = pools(4).run(_on_rank_engine, "fsdp", "ours", True, 7, bf16=True)
+    for errors in per_rank:
+        errors.pop("#grads")
+    assert_bf16(per_rank, "2x2 fsdp x ours, bf16 params / fp32 reduce")
+
+
+def _on_rank_marks_across_fully_shard():
+    """What fully_shard does to the Parameters, and what survives it."""
+    mesh = _mesh()
+    model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), seed=0)
+    before = {n: (p, layout) for n, p, layout in named_layouts(model)}
+    apply_fsdp(model, mesh)
+    after = {n: (p, layout) for n, p, layout in named_layouts(model)}
+    return {"names": sorted(before) == sorted(after),
+            "replaced": sum(after[n][0] is not before[n][0] for n in after),
+            "marks left on the new Parameters": sum(
+                hasattr(p, "tensor_parallel_dim") or hasattr(p, "sequence_parallel")
+                for p, _ in after.values()),
+            "layouts kept": sum(after[n][1] == before[n][1] for n in after),
+            "sequence parallel": sum(layout.sequence_parallel for _, layout in after.values()),
+            "count": len(after)}
+
+
+def test_fully_shard_replaces_every_parameter_and_the_recorded_layouts_survive(pools):
+    """The reason the marks live on the modules and the norm sums in the graph: fully_shard
+    swaps every Parameter (a hook or an attribute on the old one is gone), the names stay."""
+    n_norms = 2 * CONFIG.num_layers + 1
+    for r in pools(4).run(_on_rank_marks_across_fully_shard):
+        n = r["count"]
+        assert r["names"] and r["replaced"] == n and r["layouts kept"] == n, r
+        assert r["marks left on the new Parameters"] == 0, r
+        assert r["sequence parallel"] == n_norms, r
 
 
 def _on_rank_bad_mesh():

@@ -28,12 +28,15 @@ def test_uneven_sequence_gives_the_unpadded_logits_loss_and_gradients(pools, tp,
 
 
 def _on_rank_per_token_loss(seq):
-    """reduction="none" returns [b, s] (the padding cut off), equal to the baseline's."""
+    """reduction="none" returns [b, s] (the padding cut off), equal to the baseline's; the
+    `loss` alias passes every keyword on to `forward`."""
     dev_batch = random_batch(CONFIG, 2, seq, seed=3, ignore_frac=0.3)
     base = Transformer(CONFIG, seed=1)
     tp = Transformer(CONFIG, tp_group=dist.group.WORLD, seed=1)
-    per_token = {m: m.loss(*dev_batch, reduction="none") for m in (base, tp)}
-    return {"loss[b, s]": max_rel_error(per_token[tp], per_token[base])}
+    per_token = {m: m(*dev_batch, reduction="none") for m in (base, tp)}
+    alias = tp.loss(*dev_batch, reduction="none")
+    return {"loss[b, s]": max_rel_error(per_token[tp], per_token[base]),
+            "model.loss == model(ids, labels)": max_rel_error(alias, per_token[tp])}
 
 
 def test_per_token_loss_of_an_uneven_sequence_has_the_original_length(pools):
