@@ -20,6 +20,7 @@ A sequence whose length the TP size does not divide is padded at its end (token 
 ignore_index): causal attention hides the padding from every real token, and the loss skips
 it, so logits, loss and gradients are those of the unpadded sequence.
 """
+import dataclasses
 import math
 import zlib
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .agreement import check_ranks_agree, module_fingerprint
 from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                    group_rank, group_size)
 from .config import ModelConfig, check_seq_len, padded_seq_len
@@ -172,6 +174,10 @@ class Transformer(nn.Module):
     its token ids and labels when `check_ids` says so (None, the default: when they are on the
     CPU, which is free; True: also on a GPU, at one device-to-host copy per checked tensor,
     ids and labels; False: never).
+
+    Under TP, construction ends with the ranks comparing a fingerprint of what they built
+    (config, TP size, overlap, seed, options, every parameter's shape and dtype): ranks that
+    built different models raise on every rank, naming the fields that differ.
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,
@@ -183,9 +189,11 @@ class Transformer(nn.Module):
         self.check_ids = check_ids
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:  # the batch is checked here, once per call, not again in the embedding
+        else:  # the batch is checked here, once per call, not again in the embedding; the
+            # ranks compare the whole model once, below, not each layer on its own
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                tp_group=tp_group, check_ids=False)
+                                                tp_group=tp_group, check_ids=False,
+                                                check_ranks=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -201,6 +209,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
         register_sequence_parallel_grad_hooks(self, tp_group)
+        fingerprint = module_fingerprint(
+            self, **dataclasses.asdict(config), tp_size=self.tp_size, overlap=overlap,
+            seed=seed, check_ids=check_ids)
+        check_ranks_agree(fingerprint, tp_group, "Transformers")  # one tiny all-gather
 
     # -- forward ---------------------------------------------------------------------------------
     def _check_batch(self, input_ids, labels=None, ignore_index=None):
