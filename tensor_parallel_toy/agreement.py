@@ -20,8 +20,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_dim, group_size
+from .comm import all_gather_dim, group_rank, group_size, transfer
 
+SAME_BATCH = ("check", "broadcast")
 _SHOWN_FIELDS = 3  # a mismatch names this many fields (the first ones), then counts the rest
 
 
@@ -88,3 +89,81 @@ def check_ranks_agree(fields, group, what):
         shown = "the same fields in a different order"
     raise RanksDisagreeError(f"the {p} ranks of the tensor-parallel group built different "
                              f"{what}: {shown}{more}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch
+# ----------------------------------------------------------------------------------------------
+def check_same_batch_option(same_batch):
+    if same_batch not in SAME_BATCH:
+        raise ValueError(f"same_batch={same_batch!r}: valid are 'check' (every rank passes the "
+                         f"same batch, checked) and 'broadcast' (TP rank 0's batch is used)")
+
+
+def _checksum(t):
+    """An int64 checksum of an integer tensor's values and their positions, computed where the
+    tensor lives (no host read): sum of value_i * w_i with odd weights that vary with i."""
+    flat = t.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    weights = (weights * 0x9E3779B1 + 0x7F4A7C15) | 1  # odd: each value counts
+    return (flat * weights).sum()  # wraps around in int64, the same way on every rank
+
+
+def _header(tensors, with_values):
+    """What every rank compares: per tensor its ndim, 4 dims (0-padded), and its checksum."""
+    parts = []
+    for t in tensors:
+        shape = list(t.shape)[:4] + [0] * (4 - min(t.dim(), 4))
+        parts.append(torch.tensor([t.dim(), *shape], dtype=torch.int64, device=t.device))
+        value = _checksum(t) if with_values else torch.zeros((), dtype=torch.int64,
+                                                             device=t.device)
+        parts.append(value.reshape(1))
+    return torch.cat(parts)  # [6 * len(tensors)]
+
+
+def agree_on_batch(batch, group, same_batch):
+    """Make sure every rank of `group` holds the same `batch`, {name: integer tensor} (e.g.
+    input_ids and labels).
+
+    same_batch="check": one all-gather of 6 int64s per tensor (shape and checksum) and one host
+    read of the verdict (on a GPU, a device sync); different batches raise `RanksDisagreeError`
+    on every rank, naming each rank's shapes or checksums.
+    same_batch="broadcast": the shapes are compared the same way (they must match: every rank
+    passes a batch of the same shape), then TP rank 0's values are broadcast and copied into
+    the other ranks' tensors, in place, as `dist.broadcast` itself does: one more collective
+    of the batch's bytes.
+    """
+    if group_size(group) == 1:
+        return
+    names, tensors = list(batch), list(batch.values())
+    device = _group_device(group)
+    header = _header(tensors, same_batch == "check").to(device)
+    every = all_gather_dim(header.unsqueeze(0), 0, group)  # [p, 6 * len(tensors)]
+    if not bool((every == every[0]).all()):  # the one host read
+        every = every.view(every.shape[0], len(tensors), 6).tolist()
+        for i, name in enumerate(names):
+            shapes = [tuple(r[i][1:1 + r[i][0]]) if r[i][0] <= 4 else f"{r[i][0]}-d"
+                      for r in every]
+            if len(set(shapes)) > 1:
+                raise RanksDisagreeError(
+                    f"the ranks of the tensor-parallel group were given {name} of different "
+                    f"shapes: {_by_value(shapes)}; every TP rank needs the same batch")
+        for i, name in enumerate(names):
+            sums = [r[i][5] for r in every]
+            if len(set(sums)) > 1:
+                raise RanksDisagreeError(
+                    f"the ranks of the tensor-parallel group were given different {name} "
+                    f"(checksums: {_by_value(sums)}); give every TP rank the same batch, or "
+                    f"build the model with same_batch='broadcast' to use TP rank 0's")
+    if same_batch == "broadcast":
+        _broadcast_from_first_rank(tensors, group, device)
+
+
+def _broadcast_from_first_rank(tensors, group, device):
+    """One broadcast of every tensor, packed into one int64 buffer, from the group's rank 0."""
+    packed = torch.cat([t.reshape(-1).to(device, torch.int64) for t in tensors])
+    source = dist.get_global_rank(group, 0)
+    transfer("broadcast", packed, dist.broadcast, packed, source, group=group)
+    if group_rank(group) != 0:
+        for t, received in zip(tensors, packed.split([t.numel() for t in tensors])):
+            t.copy_(received.view(t.shape))

@@ -10,7 +10,9 @@ from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelL
                                  Transformer, VocabParallelEmbedding)
 from tensor_parallel_toy.agreement import check_ranks_agree, module_fingerprint
 from tensor_parallel_toy.comm import recording
-from tensor_parallel_toy.tests.helpers import value_error_messages, world
+from tensor_parallel_toy.data_parallel import destroy_mesh_2d, init_mesh_2d
+from tensor_parallel_toy.tests.helpers import (MODEL_FP32_TOL, assert_errors, max_rel_error,
+                                            value_error_messages, world)
 
 RAISE_WITHIN_S = 10
 
@@ -102,3 +104,101 @@ def test_building_a_model_or_layer_costs_one_tiny_all_gather(pools):
         for what, (kinds, nbytes) in built.items():
             assert kinds == ["all-gather"] and nbytes == 8, f"rank {rank}, {what}: {kinds}, " \
                                                            f"{nbytes} bytes"
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch
+# ----------------------------------------------------------------------------------------------
+def _batch(seed, seq=8):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, seq), generator=gen)
+    return ids, torch.randint(0, 64, (2, seq), generator=gen)
+
+
+def _on_rank_different_batches():
+    """Rank 1's batch differs from rank 0's in one way per case; every rank must raise."""
+    group, _, rank = world()
+    check = Transformer(_config(), tp_group=group)
+    broadcast = Transformer(_config(), tp_group=group, same_batch="broadcast")
+    ids, labels = _batch(0)
+    other = ids.clone()
+    other[1, 5] = (other[1, 5] + 1) % 64  # one token of 16
+    one = rank == 1
+    return value_error_messages({
+        "ids": lambda: check.loss(other if one else ids, labels),
+        "labels": lambda: check.loss(ids, other if one else labels),
+        "forward": lambda: check(other if one else ids),
+        "shape": lambda: check.loss(*_batch(0, seq=9 if one else 8)),
+        "broadcast shape": lambda: broadcast.loss(*_batch(0, seq=9 if one else 8)),
+        "option": lambda: Transformer(_config(), tp_group=group, same_batch="rank0"),
+    })
+
+
+def test_ranks_given_different_batches_raise_on_every_rank_never_a_number(pools):
+    per_rank = pools(2).run(_on_rank_different_batches)
+    expected = {
+        "ids": ["different input_ids", "checksums:", "on rank 0", "on rank 1",
+                "same_batch='broadcast'"],
+        "labels": ["different labels", "on rank 1"],
+        "forward": ["different input_ids"],
+        "shape": ["input_ids of different shapes: (2, 8) on rank 0, (2, 9) on rank 1"],
+        "broadcast shape": ["input_ids of different shapes: (2, 8) on rank 0, (2, 9) on rank 1"],
+        "option": ["same_batch='rank0'", "'check'", "'broadcast'"],
+    }
+    for rank, messages in enumerate(per_rank):
+        for key, words in expected.items():
+            message = messages[key]
+            assert message is not None, f"rank {rank}, {key}: returned a number, no error"
+            assert "\n" not in message and all(w in message for w in words), \
+                f"rank {rank}, {key}: {message!r}"
+
+
+def _on_rank_broadcast_batch():
+    """same_batch="broadcast": rank 1 passes another batch of the same shape; the loss and every
+    gradient must be the baseline's on rank 0's batch, and rank 1's tensors now hold it."""
+    group, _, rank = world()
+    config = _config()
+    ids, labels = _batch(0)
+    model = Transformer(config, tp_group=group, same_batch="broadcast", seed=3)
+    mine_ids, mine_labels = (ids, labels) if rank == 0 else _batch(1)
+    loss = model.loss(mine_ids, mine_labels)
+    loss.backward()
+    baseline = Transformer(config, seed=3)
+    expected = baseline.loss(ids, labels)
+    expected.backward()
+    errors = {"loss": max_rel_error(loss.detach(), expected.detach())}
+    grads = model.full_grads()
+    for name, param in baseline.named_parameters():
+        errors[f"grad:{name}"] = max_rel_error(grads[name], param.grad)
+    errors["#grads"] = len(grads)
+    errors["copied"] = float(not (torch.equal(mine_ids, ids) and torch.equal(mine_labels, labels)))
+    return errors
+
+
+def test_broadcast_uses_tp_rank_0s_batch_for_loss_and_every_gradient(pools):
+    per_rank = pools(2).run(_on_rank_broadcast_batch)
+    n_params = len(dict(Transformer(_config()).named_parameters()))
+    for rank, errors in enumerate(per_rank):
+        assert errors.pop("#grads") == n_params, f"rank {rank}: not every gradient compared"
+        assert errors.pop("copied") == 0.0, f"rank {rank}: its batch is not rank 0's"
+    assert_errors(per_rank, MODEL_FP32_TOL, "same_batch='broadcast', rank 1 given another batch")
+
+
+def _on_rank_2d_batches():
+    """2 x 2 grid: DP ranks have different batches (fine), TP peers must agree."""
+    mesh = init_mesh_2d(dp_size=2, tp_size=2)
+    model = Transformer(_config(), tp_group=mesh.tp_group)
+    ids, labels = _batch(mesh.dp_rank)  # one batch per DP rank, the same on its TP peers
+    loss = model.loss(ids, labels).item()
+    peers_differ = _batch(mesh.dp_rank + 2 * mesh.tp_rank)  # TP rank 1 gets another batch
+    messages = value_error_messages({"tp peers differ": lambda: model.loss(*peers_differ)})
+    destroy_mesh_2d(mesh)
+    return loss, messages["tp peers differ"]
+
+
+def test_2d_each_dp_rank_has_its_batch_but_tp_peers_must_agree(pools):
+    per_rank = pools(4).run(_on_rank_2d_batches)
+    losses = [loss for loss, _ in per_rank]
+    assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2], losses
+    for rank, (_, message) in enumerate(per_rank):
+        assert message and "different input_ids" in message, f"rank {rank}: {message!r}"
