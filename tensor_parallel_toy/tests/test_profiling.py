@@ -71,6 +71,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     (["--modes", "tp,nope"], ["--modes", "dtensor"]),
     (["--bench-shape", "15,2,32,64"], ["S=15", "TP size 2"]),
     (["--no-such-flag"], ["--no-such-flag"]),
+    (["--timeout", "0"], ["--timeout 0", "positive number of seconds"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
