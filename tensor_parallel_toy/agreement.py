@@ -1,4 +1,4 @@
-"""What the ranks of a TP group must agree on, checked: the model they build and the batch they feed it.
+"""What the ranks of a TP group must agree on, checked: the model they build, the batch they use.
 
 Each rank of a tensor-parallel group holds a slice of one model and sees the whole batch. Two
 mistakes are invisible to a rank on its own:
@@ -47,11 +47,12 @@ def _digest(fields):
 
 def _by_value(values):
     """[value of rank 0, value of rank 1, ...] -> "32 on rank 0, 64 on ranks 1, 2"."""
-    ranks = {}
+    ranks, shown = {}, {}
     for rank, value in enumerate(values):
-        ranks.setdefault(value, []).append(str(rank))
-    return ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {', '.join(r)}"
-                     for value, r in ranks.items())
+        ranks.setdefault(repr(value), []).append(str(rank))  # repr: lists are values too
+        shown.setdefault(repr(value), value)
+    return ", ".join(f"{shown[key]} on rank{'s' if len(r) > 1 else ''} {', '.join(r)}"
+                     for key, r in ranks.items())
 
 
 def module_fingerprint(module, **fields):
@@ -65,7 +66,8 @@ def module_fingerprint(module, **fields):
 
 def check_ranks_agree(fields, group, what):
     """Raise `RanksDisagreeError` on every rank of `group` unless every rank passed equal
-    `fields` (name -> value with a stable repr, e.g. `module_fingerprint(...)`).
+    `fields` (name -> a picklable value whose repr is the same in every process: numbers,
+    strings, tuples; e.g. `module_fingerprint(...)`).
 
     Cost: one all-gather of one int64 per rank. Only when the digests differ is there a second
     collective (an all_gather_object of the fields), to name what differs. Every rank must call
@@ -85,8 +87,6 @@ def check_ranks_agree(fields, group, what):
     shown = "; ".join(f"{n}: {_by_value([f.get(n, '<absent>') for f in every])}"
                       for n in differ[:_SHOWN_FIELDS])
     more = f" (and {len(differ) - _SHOWN_FIELDS} more)" if len(differ) > _SHOWN_FIELDS else ""
-    if not differ:  # equal values whose repr differs only in their order: say so, still refuse
-        shown = "the same fields in a different order"
     raise RanksDisagreeError(f"the {p} ranks of the tensor-parallel group built different "
                              f"{what}: {shown}{more}")
 

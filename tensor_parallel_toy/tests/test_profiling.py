@@ -224,9 +224,9 @@ def _on_rank_recorded_transfers(overlap):
 def test_timeline_sees_every_collective_of_the_model_vocabulary_and_hooks_included(pools,
                                                                                   overlap):
     """Counted from the model's structure (L = 2 blocks, p = 2 ranks, no biases):
-    the batch check AG; forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head AG; loss 2 AR (max,
-    then the stacked sums). Backward: head AG + RS; final norm hook AR; per block fc2 AG, fc1
-    AG + RS, mlp_norm AR, proj AG, qkv AG + RS, attn_norm AR; embedding AG.
+    the batch check AG; forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head
+    AG; loss 2 AR (max, then the stacked sums). Backward: head AG + RS; final norm hook AR; per
+    block fc2 AG, fc1 AG + RS, mlp_norm AR, proj AG, qkv AG + RS, attn_norm AR; embedding AG.
     Overlapped, every layer's AG and RS become p - 1 ring steps each (the column backward has
     one ring of each), and the batch check's, the embedding's, the loss's and the hooks' stay
     collectives."""
