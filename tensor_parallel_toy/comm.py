@@ -47,8 +47,9 @@ def recording(recorder):
     `recorder.transfer(kind, nbytes, post, stream)` must call `post()`, which starts the
     transfer and returns its handle (anything with `wait()`), or None when the call blocked
     until it was done, and return a handle with the same `wait()`, or None where `post()` gave
-    None. `kind` is "all-gather", "reduce-scatter", "all-reduce" or "ring"; `stream` is the CUDA
-    stream a ring step runs on (None elsewhere). Only one recording at a time.
+    None. `kind` is "all-gather", "reduce-scatter", "all-reduce", "broadcast" (agreement.py)
+    or "ring"; `stream` is the CUDA stream a ring step runs on (None elsewhere). Only one
+    recording at a time.
     """
     global _recorder
     if _recorder is not None:

@@ -2,14 +2,17 @@
 
 Two ways in:
 - `torchrun ... python -m tensor_parallel_toy profile`: the environment carries RANK, WORLD_SIZE
-  and MASTER_ADDR/PORT, and `init_from_env()` joins that group (multi-GPU, multi-node).
+  and MASTER_ADDR/PORT, and `init_from_env()` joins that group (multi-GPU, multi-node). When it
+  cannot, it raises `LaunchError`, one line naming the address and the variable to check.
 - `WorkerPool(n)`: spawns n local worker processes, forms their process group once, and runs
   any picklable function on all of them, as often as asked (the tests reuse one pool per world
   size). It watches its workers: if one raises or dies, it stops the others and raises an error
   naming the rank, instead of waiting forever in a collective.
 """
+import ipaddress
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -24,6 +27,10 @@ DEFAULT_TIMEOUT_S = 60.0
 
 class WorkerError(RuntimeError):
     """A worker rank raised, died, or did not answer in time."""
+
+
+class LaunchError(RuntimeError):
+    """The process group could not be formed; the message is one line saying what to check."""
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,15 +64,111 @@ def _set_threads(world_size):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
+def _is_loopback(address):
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False  # a host name: not resolved here, so a check never waits on DNS
+
+
+def _host_addresses():
+    """This host's name and the addresses it resolves to (gloo's default choice of address)."""
+    name = socket.gethostname()
+    try:
+        return name, sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+    except OSError:
+        return name, []
+
+
+def _interfaces():
+    try:
+        return ", ".join(name for _, name in socket.if_nameindex())
+    except OSError:
+        return "see `ip addr`"
+
+
+def gloo_loopback_problem(env, host_name, host_addresses):
+    """The one-line problem, or None, of a gloo job that spans several hosts while this host's
+    name resolves only to loopback addresses (a common /etc/hosts default, 127.0.1.1).
+
+    gloo advertises the address the host name resolves to; the other hosts would then try to
+    reach this rank at their own loopback and fail ("Connection refused"). torchrun exports
+    WORLD_SIZE (all ranks) and LOCAL_WORLD_SIZE (ranks on this host): fewer here than in all
+    means several hosts, unless MASTER_ADDR itself is a loopback address (all on one machine).
+    """
+    world = int(env.get("WORLD_SIZE", 1))
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    master = env.get("MASTER_ADDR", "")
+    if local >= world or env.get("GLOO_SOCKET_IFNAME") or _is_loopback(master):
+        return None
+    if not host_addresses or not all(_is_loopback(a) for a in host_addresses):
+        return None
+    nodes = env.get("GROUP_WORLD_SIZE") or f"{-(-world // local)}"
+    return (f"this gloo job spans {nodes} hosts ({world} ranks, {local} here) but this host's "
+            f"name {host_name!r} resolves to {', '.join(host_addresses)}, a loopback address "
+            f"the other hosts cannot reach; set GLOO_SOCKET_IFNAME to the network interface "
+            f"that reaches MASTER_ADDR={master} (interfaces here: {_interfaces()})")
+
+
+def _wait_for_rendezvous(address, port, timeout_s):
+    """Wait until rank 0's rendezvous store accepts connections, or raise one line. (torch's own
+    wait reports a miss with a multi-line C++ log on every retry.)"""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=min(5.0, timeout_s)):
+                return
+        except socket.gaierror as e:
+            raise LaunchError(f"MASTER_ADDR={address} does not resolve ({e.strerror}); set it "
+                              f"to rank 0's host, as every host can reach it") from None
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"nothing answers at MASTER_ADDR={address} MASTER_PORT={port} after "
+                    f"{timeout_s:g} s ({e.strerror or e}); check that rank 0 runs and that "
+                    f"MASTER_ADDR/MASTER_PORT name its host and a port open to this one") \
+                    from None
+            time.sleep(0.5)
+
+
 def init_from_env(backend=None, timeout_s=DEFAULT_TIMEOUT_S):
-    """Join the process group described by torchrun's environment variables."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    backend = backend or choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    """Join the process group described by torchrun's environment variables.
+
+    `timeout_s` bounds both joining and every collective after. Raises `LaunchError`, one line
+    naming the address and the variable to check, when the group cannot be formed: a
+    multi-host gloo job whose host name resolves to loopback (before trying), rank 0's store
+    unreachable, or the backend failing to connect the ranks.
+    """
+    env = os.environ
+    world_size = int(env["WORLD_SIZE"])
+    local = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    backend = backend or choose_backend(local)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
     else:
-        _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        problem = gloo_loopback_problem(env, *_host_addresses())
+        if problem:
+            raise LaunchError(problem)
+        _set_threads(local)
+    address, port, rank = env.get("MASTER_ADDR"), env.get("MASTER_PORT"), env.get("RANK")
+    if address and port and rank not in (None, "0") and \
+            env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's agent has the store
+        _wait_for_rendezvous(address, int(port), timeout_s)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:  # torch's DistError is a RuntimeError
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        if reason.startswith("[enforce fail"):  # gloo's: the source line, a condition, then why
+            reason = reason.rsplit(". ", 1)[-1]
+        ifname = env.get("GLOO_SOCKET_IFNAME")
+        check = "MASTER_ADDR and MASTER_PORT" + (
+            f", and GLOO_SOCKET_IFNAME={ifname} (interfaces here: {_interfaces()})" if ifname
+            else ", and for gloo across hosts GLOO_SOCKET_IFNAME" if backend == "gloo" else "")
+        raise LaunchError(f"rank {rank} of {world_size} could not form the {backend} process "
+                          f"group at MASTER_ADDR={address} MASTER_PORT={port}: {reason}; "
+                          f"check {check}") from None
     return backend
 
 

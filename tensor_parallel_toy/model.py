@@ -20,6 +20,7 @@ A sequence whose length the TP size does not divide is padded at its end (token 
 ignore_index): causal attention hides the padding from every real token, and the loss skips
 it, so logits, loss and gradients are those of the unpadded sequence.
 """
+import dataclasses
 import math
 import zlib
 
@@ -27,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .agreement import (agree_on_batch, check_ranks_agree, check_same_batch_option,
+                        module_fingerprint)
 from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                    group_rank, group_size)
 from .config import ModelConfig, check_seq_len, padded_seq_len
@@ -182,24 +185,34 @@ class Transformer(nn.Module):
     the tokens whose label is not ignore_index, the same scalar on every rank, from
     vocab-sharded logits (never gathered).
 
-    The batch is validated once per call, before any collective: its shape and length always;
-    its token ids and labels when `check_ids` says so (None, the default: when they are on the
-    CPU, which is free; True: also on a GPU, at one device-to-host copy per checked tensor,
-    ids and labels; False: never).
+    The batch is validated once per call. First the TP ranks make sure they hold the same
+    one, as `same_batch` says ("check", the default: a checksum of ids and labels is compared
+    over the group and a difference raises on every rank; "broadcast": TP rank 0's batch is
+    copied into the other ranks' tensors, which must have its shape). Then its shape and
+    length always; its token ids and labels when `check_ids` says so (None, the default: when
+    they are on the CPU, which is free; True: also on a GPU, at one device-to-host copy per
+    checked tensor, ids and labels; False: never).
+
+    Under TP, construction ends with the ranks comparing a fingerprint of what they built
+    (config, TP size, overlap, seed, options, every parameter's shape and dtype): ranks that
+    built different models raise on every rank, naming the fields that differ.
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,
-                 check_ids=None):
+                 check_ids=None, same_batch="check"):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any collective can run
+        check_same_batch_option(same_batch)
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
-        self.check_ids = check_ids
+        self.check_ids, self.same_batch = check_ids, same_batch
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:  # the batch is checked here, once per call, not again in the embedding
+        else:  # the batch is checked here, once per call, not again in the embedding; the
+            # ranks compare the whole model once, below, not each layer on its own
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                tp_group=tp_group, check_ids=False)
+                                                tp_group=tp_group, check_ids=False,
+                                                check_ranks=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
@@ -215,10 +228,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
         record_layouts(self)  # where wrapping (fully_shard, DDP) cannot drop them
+        fingerprint = module_fingerprint(
+            self, **dataclasses.asdict(config), tp_size=self.tp_size, overlap=overlap,
+            seed=seed, check_ids=check_ids, same_batch=same_batch)
+        check_ranks_agree(fingerprint, tp_group, "Transformers")  # one tiny all-gather
 
     # -- forward ---------------------------------------------------------------------------------
     def _check_batch(self, input_ids, labels=None, ignore_index=None):
         """Everything about the batch that can be wrong, refused in one line on every rank."""
+        batch = {"input_ids": input_ids}
+        if labels is not None:
+            batch["labels"] = labels
+        # First: from here on the batch is the same on every rank, and so is any error below.
+        agree_on_batch(batch, self.tp_group, self.same_batch)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
         check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_gather_seq, all_reduce_, group_size, reduce_scatter_seq
 from .ring import Ring, ring_all_gather, ring_reduce_scatter
 from .sharding import init_from_full_, mark_tensor_parallel
@@ -262,7 +263,7 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None):
+                 device=None, dtype=None, check_ranks=True):
         super().__init__()
         p = group_size(tp_group)
         _check_divisible("out_features" if split_dim == 0 else "in_features",
@@ -283,6 +284,11 @@ class _ParallelLinear(nn.Module):
         bound = 1 / math.sqrt(in_features)
         init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
                         tp_group)
+        if check_ranks:  # one tiny all-gather: every rank of the group built this same layer
+            check_ranks_agree(module_fingerprint(
+                self, layer=type(self).__name__, in_features=in_features,
+                out_features=out_features, tp_size=p, overlap=overlap), tp_group,
+                f"{type(self).__name__}s")
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -293,11 +299,14 @@ class ColumnParallelLinear(_ParallelLinear):
     """Input `[s/p, b, in]` (sequence shard) -> output `[s, b, out/p]` (feature shard).
 
     Weight shard `[out/p, in]` = rows r*out/p:(r+1)*out/p of the full weight; bias `[out/p]`.
+    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
+    layer (agreement.py), so a rank that built another one raises, on every rank.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None):
-        super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype)
+                 device=None, dtype=None, check_ranks=True):
+        super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
+                         check_ranks)
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
@@ -308,30 +317,35 @@ class RowParallelLinear(_ParallelLinear):
 
     Weight shard `[out, in/p]` = columns r*in/p:(r+1)*in/p of the full weight; the bias `[out]`
     is replicated and added after the reduce-scatter (its gradient is summed over the group).
+    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
+    layer (agreement.py), so a rank that built another one raises, on every rank.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None):
-        super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype)
+                 device=None, dtype=None, check_ranks=True):
+        super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype,
+                         check_ranks)
 
     def forward(self, x):
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
 
 
 def column_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear."""
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear, for a
+    model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
     if tp_group is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                overlap=overlap)
+                                overlap=overlap, check_ranks=False)
 
 
 def row_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear."""
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear, for a
+    model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
     if tp_group is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                             overlap=overlap)
+                             overlap=overlap, check_ranks=False)
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_linear",

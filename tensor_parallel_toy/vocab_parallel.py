@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
 from .sharding import init_from_full_, mark_tensor_parallel
 
@@ -70,10 +71,13 @@ class VocabParallelEmbedding(nn.Module):
     (backward: all-gather, its conjugate). The weight's gradient needs no reduction: the
     all-gather gives every rank the gradient of all tokens, and the lookup's backward keeps
     those of its own vocabulary rows.
+
+    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
+    table (agreement.py), so a rank that built another one raises, on every rank.
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, tp_group, check_ids=None, device=None,
-                 dtype=None):
+                 dtype=None, check_ranks=True):
         super().__init__()
         p = group_size(tp_group)
         if num_embeddings % p:
@@ -85,6 +89,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
         init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
+        if check_ranks:  # one tiny all-gather: every rank of the group built this same table
+            check_ranks_agree(module_fingerprint(
+                self, num_embeddings=num_embeddings, embedding_dim=embedding_dim, tp_size=p,
+                check_ids=check_ids), tp_group, "VocabParallelEmbeddings")
 
     def forward(self, input_ids):
         check_token_ids(input_ids, self.num_embeddings, "token id", check_ids=self.check_ids)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import dtensor_tp
 from ..config import ModelConfig, check_seq_len
-from ..initialize import WorkerPool, choose_backend, init_from_env, shutdown
+from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
 from . import bench_overlap, plots, report, timeline, train
 from .data import CORPUS_VOCAB
 from .output import write_text
@@ -93,6 +93,10 @@ def build_parser():
     p.add_argument("--timeline-iters", type=int, default=d.timeline_iters, help=f"recordings of "
                    f"the timeline per mode, the median one is drawn; 0 to skip (default "
                    f"{d.timeline_iters})")
+    p.add_argument("--timeout", type=float, default=PHASE_TIMEOUT_S, help=f"seconds a phase "
+                   f"may take before the run is stopped; under torchrun also the limit for "
+                   f"joining the process group and for each collective (default "
+                   f"{PHASE_TIMEOUT_S:g})")
     p.add_argument("--trace", action="store_true",
                    help="also export a torch.profiler Chrome trace of one step per TP mode")
     return p
@@ -131,6 +135,8 @@ def parse_args(argv, env=os.environ):
     _check_int("seed", args.seed, 0)
     _check_int("bench-iters", args.bench_iters, 0)
     _check_int("timeline-iters", args.timeline_iters, 0)
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     if not args.lr > 0:
         raise UsageError(f"--lr {args.lr}: must be a positive number")
     if args.dtype not in DTYPES:
@@ -242,11 +248,11 @@ def _busy_cpu_seconds():
 class PoolRunner:
     """Runs a phase on every rank of a local `WorkerPool`; the results come back here."""
 
-    def __init__(self, pool):
-        self.pool, self.rank = pool, 0
+    def __init__(self, pool, timeout_s=PHASE_TIMEOUT_S):
+        self.pool, self.rank, self.timeout_s = pool, 0, timeout_s
 
     def run(self, fn, *args):
-        return self.pool.run(fn, *args, timeout_s=PHASE_TIMEOUT_S)
+        return self.pool.run(fn, *args, timeout_s=self.timeout_s)
 
 
 class TorchrunRunner:
@@ -405,7 +411,11 @@ def main(argv=None):
     args.argv = argv
     start = time.perf_counter()
     if _under_torchrun(os.environ):
-        init_from_env(args.backend, timeout_s=PHASE_TIMEOUT_S)
+        try:  # the first collective: where a wrong address or network interface shows
+            init_from_env(args.backend, timeout_s=args.timeout)
+        except LaunchError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
         try:
             runner = TorchrunRunner()
             results = run_phases(runner, args)
@@ -416,7 +426,7 @@ def main(argv=None):
     else:
         print(f"spawning {args.tp} ranks ({args.backend})...", flush=True)
         with WorkerPool(args.tp, backend=args.backend) as pool:
-            results = run_phases(PoolRunner(pool), args)
+            results = run_phases(PoolRunner(pool, args.timeout), args)
     results["meta"]["runtime_s"] = time.perf_counter() - start
     summary = write_outputs(results, args.out)
     print("\n" + summary, end="")

@@ -4,12 +4,16 @@ These tests kill or break their own pools, so they do not use the shared `pools`
 """
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tensor_parallel_toy import initialize
 from tensor_parallel_toy.initialize import WorkerError, WorkerPool, choose_backend
 
 STOP_WITHIN_S = 30
@@ -103,3 +107,96 @@ def test_bad_device_requests_are_refused_with_what_is_valid():
         with pytest.raises(ValueError, match=f"found {gpus}"):
             choose_backend(gpus + 1, "cuda")
     assert choose_backend(64, "auto") == ("gloo" if gpus < 64 else "nccl")
+
+
+# ----------------------------------------------------------------------------------------------
+# Joining a process group from the environment (torchrun, or RANK/WORLD_SIZE/MASTER_* by hand)
+# ----------------------------------------------------------------------------------------------
+TWO_HOSTS = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",
+             "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, addresses, problem", [
+    (TWO_HOSTS, ["127.0.1.1"], True),
+    (TWO_HOSTS, ["127.0.0.1", "::1"], True),
+    (TWO_HOSTS, ["10.1.2.3"], False),  # a real address: gloo advertises it, fine
+    ({**TWO_HOSTS, "GLOO_SOCKET_IFNAME": "eth0"}, ["127.0.1.1"], False),  # the user chose
+    ({**TWO_HOSTS, "MASTER_ADDR": "127.0.0.1"}, ["127.0.1.1"], False),  # all on one machine
+    ({**TWO_HOSTS, "LOCAL_WORLD_SIZE": "4"}, ["127.0.1.1"], False),  # one host
+])
+def test_multi_host_gloo_with_a_loopback_host_name_is_named_before_connecting(env, addresses,
+                                                                              problem):
+    message = initialize.gloo_loopback_problem(env, "vm", addresses)
+    if not problem:
+        assert message is None, message
+        return
+    for words in ("2 hosts", "'vm' resolves to " + addresses[0], "GLOO_SOCKET_IFNAME",
+                  "MASTER_ADDR=node0"):
+        assert words in message, message
+
+
+# In the child: this host's name resolves to loopback only, whatever /etc/hosts says here.
+_LOOPBACK_HOST = ("import socket, sys; real = socket.getaddrinfo; socket.getaddrinfo = "
+                  "lambda host, *a, **k: [(2, 1, 6, '', ('127.0.1.1', 0))] "
+                  "if host == socket.gethostname() else real(host, *a, **k); "
+                  "from tensor_parallel_toy.__main__ import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(tmp_path):
+    """Three ways a job fails to form, started together (each imports torch: seconds):
+    a multi-host gloo job on a host whose name is loopback; a rank whose MASTER_ADDR has
+    nothing listening (short --timeout); and torchrun's ranks with a GLOO_SOCKET_IFNAME that
+    does not exist (torchrun adds its own report of the failed ranks after their lines)."""
+    base = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
+    profile = ["profile", "--out", str(tmp_path / "out"), "--timeout", "3"]
+    port = str(_free_port())
+    runs = {
+        "loopback host": ([sys.executable, "-c", _LOOPBACK_HOST, *profile],
+                          {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                           "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "node0",
+                           "MASTER_PORT": port},
+                          ["this gloo job spans 2 hosts", "resolves to 127.0.1.1",
+                           "set GLOO_SOCKET_IFNAME", "MASTER_ADDR=node0"]),
+        "nobody listening": ([sys.executable, "-m", "tensor_parallel_toy", *profile],
+                             {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": port},
+                             [f"nothing answers at MASTER_ADDR=127.0.0.1 MASTER_PORT={port}",
+                              "after 3 s"]),
+        "torchrun, bad interface": ([sys.executable, "-m", "torch.distributed.run",
+                                     "--standalone", "--nproc-per-node=2", "-m",
+                                     "tensor_parallel_toy", *profile],
+                                    {"GLOO_SOCKET_IFNAME": "no-such-if"},
+                                    ["could not form the gloo process group at MASTER_ADDR=",
+                                     "Unable to find address for: no-such-if",
+                                     "GLOO_SOCKET_IFNAME=no-such-if (interfaces here: lo"]),
+    }
+    procs = {name: subprocess.Popen(cmd, env={**base, **env}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name, (cmd, env, _) in runs.items()}
+    for name, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        words = runs[name][2]
+        ours = [line for line in err.splitlines() if line.startswith(
+            "python -m tensor_parallel_toy profile: error: ")]
+        ranks = 2 if "torchrun" in name else 1  # torchrun stops a rank once its peer failed
+        assert 1 <= len(ours) <= ranks, f"{name}: exit {proc.returncode}, stderr:\n{err[-3000:]}"
+        for line in ours:
+            assert all(w in line for w in words), f"{name}: {line}"
+        # No frame of this package: the traceback torchrun prints is its own launcher's.
+        rest = "\n".join(line for line in err.splitlines() if line not in ours)
+        assert "tensor_parallel_toy/" not in rest, f"{name}:\n{err[-3000:]}"
+        if "torchrun" not in name:
+            assert proc.returncode == 2 and err.strip() == ours[0], f"{name}:\n{err[-3000:]}"
+        else:
+            assert proc.returncode != 0 and "exitcode  : 2" in err, f"{name}:\n{err[-3000:]}"

@@ -102,6 +102,7 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--modes", "tp,nope"], ["--modes", "dtensor"]),
     (["--bench-shape", "15,2,32,64"], ["S=15", "TP size 2"]),
     (["--no-such-flag"], ["--no-such-flag"]),
+    (["--timeout", "0"], ["--timeout 0", "positive number of seconds"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
@@ -254,18 +255,19 @@ def _on_rank_recorded_transfers(overlap):
 def test_timeline_sees_every_collective_of_the_model_vocabulary_and_norms_included(pools,
                                                                                   overlap):
     """Counted from the model's structure (L = 2 blocks, p = 2 ranks, no biases):
-    forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head AG; loss 2 AR (max,
-    then the stacked sums). Backward: head AG + RS; final norm f AR; per block fc2 AG, fc1
-    AG + RS, mlp_norm AR, proj AG, qkv AG + RS, attn_norm AR; embedding AG.
+    the batch check AG; forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head
+    AG; loss 2 AR (max, then the stacked sums). Backward: head AG + RS; final norm f AR; per
+    block fc2 AG, fc1 AG + RS, mlp_norm AR, proj AG, qkv AG + RS, attn_norm AR; embedding AG.
     Overlapped, every layer's AG and RS become p - 1 ring steps each (the column backward has
-    one ring of each), and the embedding's, the loss's and the norms' stay collectives."""
+    one ring of each), and the batch check's, the embedding's, the loss's and the norms' stay
+    collectives."""
     L, p = 2, 2
     counts = pools(p).run(_on_rank_recorded_transfers, overlap)
     if overlap:
         columns, rows = 2 * L + 1, 2 * L
         expected = {"ring": (p - 1) * (3 * columns + 2 * rows), "reduce-scatter": 1,
-                    "all-gather": 1, "all-reduce": 2 * L + 3}
+                    "all-gather": 2, "all-reduce": 2 * L + 3}
     else:
-        expected = {"reduce-scatter": 4 * L + 2, "all-gather": 6 * L + 3, "all-reduce": 2 * L + 3}
+        expected = {"reduce-scatter": 4 * L + 2, "all-gather": 6 * L + 4, "all-reduce": 2 * L + 3}
     for rank, got in enumerate(counts):
         assert got == expected, f"rank {rank}: recorded {got}, the model makes {expected}"
