@@ -74,6 +74,9 @@ def check_plan(config, tp_size):
         raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
                          "head each a new DTensor parameter, silently untying them; untie them "
                          "or leave the dtensor mode out")
+    if config.mlp != "gelu":
+        raise ValueError(f"mlp={config.mlp!r}: this plan names the GELU MLP's fc1/fc2; for a "
+                         f"Llama-style model use parallelize_hf_model on the Hugging Face model")
     if config.num_kv_heads < tp_size:
         raise ValueError(f"num_kv_heads={config.num_kv_heads} < TP size {tp_size}: the dtensor "
                          f"plan cannot replicate k/v heads; use at least {tp_size} k/v heads or "
