@@ -65,7 +65,7 @@ def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
                                         "bias is)")
     if get("mlp_bias", False):
         _refuse("mlp_bias", True, "MLP biases are not modelled")
-    if get("sliding_window") is not None and (family == "mistral" or get("use_sliding_window")):
+    if family == "mistral" and get("sliding_window") is not None:
         _refuse("sliding_window", get("sliding_window"), "only full causal attention is "
                                                          "modelled; set it to None")
     layer_types = set(get("layer_types") or ["full_attention"])
