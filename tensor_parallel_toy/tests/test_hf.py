@@ -144,3 +144,59 @@ def test_mistral_without_sliding_window_converts_and_with_one_is_refused():
     config.sliding_window = 16
     with pytest.raises(ValueError, match=r"sliding_window=16"):
         config_from_hf(config)
+
+
+def _on_rank_hf_plan_vs_hf(family):
+    """PyTorch's DTensor plan on the Hugging Face model itself, against the unsharded model:
+    logits, loss, and every gradient (full, after the sequence-parallel reduction)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial
+
+    from tensor_parallel_toy import dtensor_tp
+
+    group = dist.group.WORLD
+    p = dist.get_world_size(group)
+    ref, model = tiny_hf_model(family), tiny_hf_model(family)
+    dtensor_tp.parallelize_hf_model(model, DeviceMesh.from_group(group, "cpu"))
+    config, _ = from_hf(ref)
+    ids, labels = random_batch(config, 2, SEQ, seed=3, ignore_frac=0.25)
+    logits_ref, loss_ref = _hf_step(ref, ids, labels)
+    padded_ids, padded_labels = dtensor_tp.pad_to_tp_size(ids, labels, p)
+    loss = dtensor_tp.hf_loss_and_backward(model, padded_ids, padded_labels)
+    partial = sorted(n for n, q in model.named_parameters()
+                     if any(isinstance(pl, Partial) for pl in q.grad.placements))
+    dtensor_tp.reduce_partial_grads(model)
+    with torch.no_grad():
+        logits = model(padded_ids, use_cache=False).logits.full_tensor()[:, :SEQ]
+    errors = {"logits": max_rel_error(logits, logits_ref), "loss": max_rel_error(loss, loss_ref)}
+    grads = dict(model.named_parameters())
+    for name, param in ref.named_parameters():
+        errors["grad:" + name] = max_rel_error(grads[name].grad.full_tensor(), param.grad)
+    return {"errors": errors, "partial": partial, "padded": padded_ids.shape[1]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pytorch_plan_on_the_hugging_face_model_matches_it_unsharded(pools, family):
+    _transformers()
+    per_rank = pools(2).run(_on_rank_hf_plan_vs_hf, family)
+    worst = assert_errors([r["errors"] for r in per_rank], MODEL_FP32_TOL,
+                          f"parallelize_hf_model {family} tp=2")
+    names = [n for n, _ in tiny_hf_model(family).named_parameters()]
+    assert sum(k.startswith("grad:") for k in worst) == len(names), sorted(worst)
+    norms = sorted(n for n in names if n.endswith("norm.weight"))
+    for r in per_rank:
+        assert r["padded"] == SEQ + 1, r["padded"]
+        # The sequence-parallel norms' gradients are partial sums until reduced.
+        assert r["partial"] == norms, (r["partial"], norms)
+
+
+def test_hf_plan_refuses_what_it_cannot_split():
+    from tensor_parallel_toy import dtensor_tp
+
+    config = tiny_hf_model("llama").config
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible by the "
+                                         r"tensor-parallel size 4"):
+        dtensor_tp.check_hf_plan(config, 4)
+    config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True"):
+        dtensor_tp.check_hf_plan(config, 2)
