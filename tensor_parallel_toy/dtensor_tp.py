@@ -23,6 +23,10 @@ norm from local shards, a custom optimizer, a hook, a check) silently sees 1/p o
 `reduce_partial_grads` puts every gradient into its parameter's own placement once per step
 (one all-reduce per norm weight, like the hand-written model's gradient hooks), after which a
 replicated gradient is the full gradient on every rank.
+
+The second half of the file applies the same styles to a Hugging Face Llama / Mistral / Qwen2
+model itself (`parallelize_hf_model`), so that the two implementations can be compared on a
+real architecture with the same weights (`from_hf` / `to_hf` convert them).
 """
 import torch
 import torch.nn.functional as F
