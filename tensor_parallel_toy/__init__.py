@@ -5,6 +5,8 @@ profile`, and `tests/` the specification. Arrows run only from those two into th
 """
 from .classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from .config import ModelConfig
+from .dtensor_tp import parallelize_hf_model
+from .hf_checkpoint import from_hf, to_hf
 from .model import Transformer
 from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                               row_parallel_linear)
@@ -13,5 +15,5 @@ from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RowParallelLinear", "Transformer",
            "VocabParallelEmbedding", "apply_tensor_parallel", "column_parallel_linear",
-           "grad_norm", "row_parallel_linear", "sync_replicated_gradients",
-           "vocab_parallel_cross_entropy"]
+           "from_hf", "grad_norm", "parallelize_hf_model", "row_parallel_linear",
+           "sync_replicated_gradients", "to_hf", "vocab_parallel_cross_entropy"]

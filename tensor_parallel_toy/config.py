@@ -7,6 +7,8 @@ shape error inside a matmul on rank 3.
 from dataclasses import dataclass
 from typing import Optional
 
+MLP_KINDS = ("gelu", "swiglu")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -24,6 +26,10 @@ class ModelConfig:
     num_kv_heads: Optional[int] = None
     # One weight for the token embedding and the LM head (the head's `weight` *is* embed.weight).
     tie_embeddings: bool = False
+    # "gelu": fc2(gelu(fc1(x))); "swiglu" (Llama, Mistral, Qwen2): down(silu(gate(x)) * up(x)).
+    mlp: str = "gelu"
+    # A bias on the q, k and v projections (Qwen2); the output projection never has one.
+    qkv_bias: bool = False
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -33,8 +39,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"ModelConfig.tie_embeddings={self.tie_embeddings!r} must be a bool")
+        for name in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"ModelConfig.mlp={self.mlp!r}: valid values are {MLP_KINDS}")
+        for name in ("norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")

@@ -23,6 +23,10 @@ norm from local shards, a custom optimizer, a hook, a check) silently sees 1/p o
 `reduce_partial_grads` puts every gradient into its parameter's own placement once per step
 (one all-reduce per norm weight, like the one in the hand-written norm's backward), after which a
 replicated gradient is the full gradient on every rank.
+
+The second half of the file applies the same styles to a Hugging Face Llama / Mistral / Qwen2
+model itself (`parallelize_hf_model`), so that the two implementations can be compared on a
+real architecture with the same weights (`from_hf` / `to_hf` convert them).
 """
 import torch
 import torch.nn.functional as F
@@ -74,6 +78,9 @@ def check_plan(config, tp_size):
         raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
                          "head each a new DTensor parameter, silently untying them; untie them "
                          "or leave the dtensor mode out")
+    if config.mlp != "gelu":
+        raise ValueError(f"mlp={config.mlp!r}: this plan names the GELU MLP's fc1/fc2; for a "
+                         f"Llama-style model use parallelize_hf_model on the Hugging Face model")
     if config.num_kv_heads < tp_size:
         raise ValueError(f"num_kv_heads={config.num_kv_heads} < TP size {tp_size}: the dtensor "
                          f"plan cannot replicate k/v heads; use at least {tp_size} k/v heads or "
@@ -150,3 +157,111 @@ def grad_norm(model, tp_group):
     device = next(model.parameters()).device
     sharded = all_reduce_(sharded.to(device), tp_group)
     return (sharded.cpu() + replicated).sqrt().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# The same plan on a Hugging Face Llama / Mistral / Qwen2 `...ForCausalLM`
+# ----------------------------------------------------------------------------------------------
+# Hugging Face activations are batch-first, [b, s, h]: the sequence shard is Shard(1).
+#
+#   model.embed_tokens          RowwiseParallel   vocab rows split; output all-reduced to
+#                                                 Replicate() (see below)
+#   model.layers.0              PrepareModuleInput  Replicate() -> Shard(1): a local slice
+#   *_layernorm, model.norm     SequenceParallel  replicated weight on this rank's s/p rows
+#   self_attn                   PrepareModuleInput  keyword hidden_states: Shard(1) -> Replicate()
+#   q_proj, k_proj, v_proj      ColwiseParallel   whole heads per rank: [b, s, heads/p * hd]
+#   o_proj, down_proj           RowwiseParallel   output reduce-scattered to Shard(1)
+#   mlp                         PrepareModuleInput  Shard(1) -> Replicate()
+#   gate_proj, up_proj          ColwiseParallel   [b, s, f/p] each
+#   lm_head                     ColwiseParallel   vocab split, DTensor logits for loss_parallel
+#
+# Why the embedding's output is Replicate(): the model builds its position ids, rotary tables
+# and causal mask from the embedding's output length. A Shard(1) output would make it build
+# them for s/p positions, and every rank would rotate its tokens as if they were the first
+# s/p. With the full-length embedding output the model's own position and mask code sees s
+# positions, and the first layer's input is cut to this rank's rows (no communication). The
+# price is one all-reduce instead of a reduce-scatter, once per step.
+def hf_tp_plan(num_layers):
+    """The parallelize plan for a Hugging Face Llama-family `...ForCausalLM`, by module name."""
+    seq_shard = Shard(1)
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),),
+                                             desired_input_layouts=(seq_shard,),
+                                             use_local_output=True),
+        # A local output: the head's caller slices it (logits_to_keep) before the head.
+        "model.norm": SequenceParallel(use_local_output=True),
+        "lm_head": ColwiseParallel(input_layouts=seq_shard, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        plan.update({
+            f"{layer}.input_layernorm": SequenceParallel(),
+            # The decoder layer calls self_attn(hidden_states=...): a keyword layout.
+            f"{layer}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq_shard},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True),
+            f"{layer}.self_attn.q_proj": ColwiseParallel(),
+            f"{layer}.self_attn.k_proj": ColwiseParallel(),
+            f"{layer}.self_attn.v_proj": ColwiseParallel(),
+            f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=seq_shard),
+            f"{layer}.post_attention_layernorm": SequenceParallel(),
+            f"{layer}.mlp": PrepareModuleInput(input_layouts=(seq_shard,),
+                                               desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            f"{layer}.mlp.gate_proj": ColwiseParallel(),
+            f"{layer}.mlp.up_proj": ColwiseParallel(),
+            f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq_shard),
+        })
+    return plan
+
+
+def check_hf_plan(hf_config, tp_size):
+    """What the Hugging Face plan cannot split, refused in one line before any collective."""
+    get = lambda name: getattr(hf_config, name, None)  # noqa: E731
+    if get("tie_word_embeddings"):
+        raise ValueError("tie_word_embeddings=True: parallelize_module gives the embedding and "
+                         "the head each a new DTensor parameter, silently untying them")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "vocab_size", "hidden_size"):
+        if get(name) % tp_size:
+            raise ValueError(f"{name}={get(name)} is not divisible by the tensor-parallel "
+                             f"size {tp_size} (k/v heads are split, never replicated here)")
+
+
+def parallelize_hf_model(hf_model, tp_mesh):
+    """Shard a Hugging Face Llama / Mistral / Qwen2 `...ForCausalLM` in place over the 1-D
+    `tp_mesh` with PyTorch's tensor + sequence parallel styles (plan above). Every rank must
+    pass the same full model. Feed it `pad_to_tp_size(...)` batches, take the loss with
+    `hf_loss_and_backward`, and call `reduce_partial_grads` before reading gradients."""
+    check_hf_plan(hf_model.config, tp_mesh.size())
+    return parallelize_module(hf_model, tp_mesh, hf_tp_plan(hf_model.config.num_hidden_layers))
+
+
+def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):
+    """ids and labels `[b, s]` -> `[b, s']`, s' the next multiple of tp_size.
+
+    Sequence parallelism splits the sequence into tp_size equal shards, and an uneven split
+    fails inside the collectives. The padding goes at the end, where causal attention hides it
+    from every real token, with labels ignore_index so the loss skips it: the loss and the
+    gradients are those of the unpadded batch.
+    """
+    pad = (-input_ids.shape[1]) % tp_size
+    if not pad:
+        return input_ids, labels
+    return F.pad(input_ids, (0, pad), value=pad_id), F.pad(labels, (0, pad), value=ignore_index)
+
+
+def hf_loss_and_backward(hf_model, input_ids, labels, ignore_index=-100):
+    """Mean cross-entropy (labels already shifted, `[b, s]`, s a multiple of the TP size) on
+    the vocab-sharded logits, and its backward, both inside `loss_parallel`. Returns the
+    replicated loss as a plain scalar tensor."""
+    with loss_parallel():
+        logits = hf_model(input_ids, use_cache=False).logits  # DTensor [b, s, V], Shard(2)
+        value = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                ignore_index=ignore_index)
+        value.backward()
+    return value.to_local().detach()

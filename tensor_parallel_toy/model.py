@@ -9,6 +9,7 @@ Megatron-style:
                 --attention over this rank's h/p heads-->          [s, b, h/p]
                 --proj (row: reduce-scatter seq)--> [s/p, b, h] --+ residual
                 --RMSNorm--> --fc1 (column)--> [s, b, f/p] --GELU--> --fc2 (row)--> [s/p, b, h]
+                (or SwiGLU: --gate_up (column)--> [s, b, 2f/p] --silu(gate)*up--> --down (row)-->)
     ... blocks ... --RMSNorm--> --head (column)--> logits [s, b, V/p] --vocab-parallel loss-->
 
 Between the blocks every rank holds its s/p sequence rows of the residual stream (sequence
@@ -35,8 +36,8 @@ from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_r
 from .config import ModelConfig, check_seq_len, padded_seq_len
 from .parallel_linear import column_linear, column_parallel_linear, row_linear
 from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
-                       mark_sequence_parallel, named_layouts, record_layouts,
-                       scatter_data_parallel, shard, unshard)
+                       mark_sequence_parallel, mark_tensor_parallel, named_layouts,
+                       record_layouts, scatter_data_parallel, shard, unshard)
 from .vocab_parallel import (VocabParallelEmbedding, check_loss_options, check_token_ids,
                              vocab_parallel_cross_entropy)
 
@@ -104,16 +105,17 @@ class Attention(nn.Module):
         nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
         self.head_dim, self.tp_group, self.overlap = hd, tp_group, overlap
         self.grouped = nkv != nh
+        bias = config.qkv_bias  # laid out like the weight's rows, so it is split the same way
         if not self.grouped:
-            self.qkv = column_linear(h, 3 * h, tp_group, overlap)
+            self.qkv = column_linear(h, 3 * h, tp_group, overlap, bias)
         else:
             # Under TP only their weights are used (see _project); the baseline calls them.
-            self.q = column_linear(h, nh * hd, tp_group, overlap)
+            self.q = column_linear(h, nh * hd, tp_group, overlap, bias)
             if nkv >= p:
-                self.kv = column_linear(h, 2 * nkv * hd, tp_group, overlap)
+                self.kv = column_linear(h, 2 * nkv * hd, tp_group, overlap, bias)
                 self.kv_rows = None
             else:
-                self.kv = nn.Linear(h, 2 * nkv * hd, bias=False)  # the same on every rank
+                self.kv = nn.Linear(h, 2 * nkv * hd, bias=bias)  # the same on every rank
                 head = group_rank(tp_group) // (p // nkv)
                 self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
         self.proj = row_linear(h, h, tp_group, overlap)
@@ -129,12 +131,15 @@ class Attention(nn.Module):
         if self.tp_group is None:
             q, kv = self.q(x), self.kv(x)  # [s, b, nh*hd], [s, b, 2*nkv*hd]
         else:
-            kv_weight = self.kv.weight
+            kv_weight, kv_bias = self.kv.weight, self.kv.bias
             if self.kv_rows is not None:
                 start, end = self.kv_rows
                 kv_weight = copy_to_tensor_parallel_region(kv_weight, self.tp_group)[start:end]
+                if kv_bias is not None:
+                    kv_bias = copy_to_tensor_parallel_region(kv_bias, self.tp_group)[start:end]
             weight = torch.cat([self.q.weight, kv_weight])  # this rank's q rows, then k/v rows
-            qkv = column_parallel_linear(x, weight, None, self.tp_group, self.overlap)
+            bias = None if kv_bias is None else torch.cat([self.q.bias, kv_bias])
+            qkv = column_parallel_linear(x, weight, bias, self.tp_group, self.overlap)
             q, kv = qkv.split([self.q.weight.shape[0], kv_weight.shape[0]], dim=-1)
         s, b, _ = q.shape
         k, v = kv.view(s, b, -1, 2, hd).unbind(dim=3)  # [s, b, kv heads here, hd] each
@@ -163,13 +168,39 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,f/p] -> [s/p,b,h]
 
 
+class SwiGLU(nn.Module):
+    """`down(silu(gate(x)) * up(x))`, the MLP of Llama, Mistral and Qwen2.
+
+    `gate` and `up` are both column-parallel, so they share one all-gather of x: they are one
+    parameter `gate_up` of full shape `[2, f, h]` (gate is [0], up is [1]), split along dim 1.
+    Rank r holds `[2, f/p, h]`, its gate rows then its up rows, which it reads as one
+    `[2f/p, h]` weight: one GEMM gives both halves, and silu(gate) * up multiplies features
+    that live on the same rank. `down` is row-parallel, like fc2.
+    """
+
+    def __init__(self, config, tp_group=None, overlap=False):
+        super().__init__()
+        h, f, p = config.hidden_size, config.ffn_hidden_size, group_size(tp_group)
+        self.tp_group, self.overlap = tp_group, overlap
+        gate_up = nn.Parameter(torch.empty(2, f // p, h))  # drawn by reset_parameters
+        self.gate_up = mark_tensor_parallel(gate_up, 1) if tp_group is not None else gate_up
+        self.down = row_linear(f, h, tp_group, overlap)
+        mark_init_std(self.down.weight, 0.02 / math.sqrt(2 * config.num_layers))
+
+    def forward(self, x):
+        weight = self.gate_up.flatten(0, 1)  # [2f/p, h]: this rank's gate rows, then up rows
+        gate, up = column_parallel_linear(x, weight, None, self.tp_group,
+                                          self.overlap).chunk(2, dim=-1)  # [s, b, f/p] each
+        return self.down(F.silu(gate) * up)  # [s/p, b, h]
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
         self.attn = Attention(config, tp_group, overlap)
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
-        self.mlp = MLP(config, tp_group, overlap)
+        self.mlp = (SwiGLU if config.mlp == "swiglu" else MLP)(config, tp_group, overlap)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)

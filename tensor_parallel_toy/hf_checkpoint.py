@@ -1,0 +1,175 @@
+"""Hugging Face Llama, Mistral and Qwen2 checkpoints <-> this package's `Transformer`.
+
+    config, state_dict = from_hf(hf_model)             # or from_hf(hf_config, hf_state_dict)
+    model = Transformer(config); model.load_state_dict(state_dict)            # the baseline
+    tp = Transformer(config, tp_group=g); tp.load_full_state_dict(state_dict)  # or split
+    hf_state_dict = to_hf(config, tp.full_state_dict())                       # and back
+
+The architectures are the same network: pre-norm RMSNorm blocks, rotary embeddings, grouped-query
+attention without bias on the output projection, and a SwiGLU MLP. Only the weights' names and
+layouts differ:
+
+    Hugging Face                                  here
+    model.embed_tokens.weight                     embed.weight
+    layers.i.input_layernorm.weight               layers.i.attn_norm.weight
+    layers.i.self_attn.{q,k,v}_proj.{weight,bias}  layers.i.attn.qkv (num_kv_heads == num_heads:
+                                                  rows [heads, (q, k, v), head_dim]), or
+                                                  layers.i.attn.q and .kv (rows [kv heads,
+                                                  (k, v), head_dim])
+    layers.i.self_attn.o_proj.weight              layers.i.attn.proj.weight
+    layers.i.post_attention_layernorm.weight      layers.i.mlp_norm.weight
+    layers.i.mlp.{gate,up}_proj.weight            layers.i.mlp.gate_up [2, f, h] (gate, up)
+    layers.i.mlp.down_proj.weight                 layers.i.mlp.down.weight
+    model.norm.weight, lm_head.weight             norm.weight, head.weight
+
+Rotary embeddings need no conversion. Both rotate the pair (x[j], x[j + hd/2]) of each head by
+position * base^(-2j/hd), Hugging Face's `rotate_half` form: checkpoints converted from Meta's
+interleaved-pair layout already have their q/k rows permuted into it, and this model's
+`apply_rotary` uses the same halves, so q and k rows are copied as they are.
+
+`transformers` is imported only inside `from_hf` when it is given a model object, never at
+import time: the rest of the package does not need it. Nothing is downloaded here; load a
+checkpoint yourself (`AutoModelForCausalLM.from_pretrained(path)`) and pass the model.
+"""
+import torch
+
+from .config import ModelConfig
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _refuse(field, value, why):
+    raise ValueError(f"Hugging Face config {field}={value!r}: {why}")
+
+
+def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Llama/Mistral/Qwen2 config; anything this model cannot
+    express is refused with one line naming the field."""
+    family = getattr(hf_config, "model_type", None)
+    if family not in FAMILIES:
+        _refuse("model_type", family, f"supported families are {FAMILIES}")
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if get("hidden_act") != "silu":
+        _refuse("hidden_act", get("hidden_act"), "only 'silu' (SwiGLU) is modelled")
+    head_dim = get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        _refuse("head_dim", head_dim, f"must be hidden_size / num_attention_heads = "
+                                      f"{hidden // heads} here")
+    rope = get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _refuse("rope_parameters['rope_type']", rope.get("rope_type"),
+                "only plain rotary embeddings ('default') are modelled, no rope scaling")
+    if get("attention_bias", False):
+        _refuse("attention_bias", True, "a bias on o_proj is not modelled (Qwen2's q/k/v-only "
+                                        "bias is)")
+    if get("mlp_bias", False):
+        _refuse("mlp_bias", True, "MLP biases are not modelled")
+    if family == "mistral" and get("sliding_window") is not None:
+        _refuse("sliding_window", get("sliding_window"), "only full causal attention is "
+                                                         "modelled; set it to None")
+    layer_types = set(get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        _refuse("layer_types", sorted(layer_types), "only 'full_attention' layers are modelled")
+    if get("attention_dropout", 0.0):
+        _refuse("attention_dropout", get("attention_dropout"), "this model has no dropout")
+    return ModelConfig(
+        vocab_size=get("vocab_size"), hidden_size=hidden, num_layers=get("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
+        ffn_hidden_size=get("intermediate_size"),
+        max_seq_len=max_seq_len or get("max_position_embeddings"),
+        norm_eps=float(get("rms_norm_eps")), rope_base=float(rope.get("rope_theta", 10000.0)),
+        tie_embeddings=bool(get("tie_word_embeddings", False)), mlp="swiglu",
+        qkv_bias=family == "qwen2")
+
+
+def _layer_names(i):
+    """(Hugging Face prefix, our prefix) of block i."""
+    return f"model.layers.{i}.", f"layers.{i}."
+
+
+def _interleave(parts, groups):
+    """[groups * d, ...] tensors -> one, rows grouped `[groups, part, d]` (a head's q, k, v)."""
+    return torch.stack([t.unflatten(0, (groups, -1)) for t in parts], dim=1).flatten(0, 2)
+
+
+def _split(fused, groups, n_parts):
+    """The inverse of `_interleave`: the `n_parts` tensors of rows `[groups * d, ...]`."""
+    return [t.flatten(0, 1).contiguous()
+            for t in fused.unflatten(0, (groups, n_parts, -1)).unbind(1)]
+
+
+def state_dict_from_hf(config: ModelConfig, hf_state_dict):
+    """Hugging Face tensors -> a baseline `Transformer(config)` state dict (same tensors,
+    re-laid out; nothing is cast)."""
+    hf = hf_state_dict
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out["head.weight"] = out["embed.weight"] if config.tie_embeddings else hf["lm_head.weight"]
+    nh, nkv = config.num_heads, config.num_kv_heads
+    suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
+    for i in range(config.num_layers):
+        theirs, ours = _layer_names(i)
+        attn = theirs + "self_attn."
+        out[ours + "attn_norm.weight"] = hf[theirs + "input_layernorm.weight"]
+        out[ours + "mlp_norm.weight"] = hf[theirs + "post_attention_layernorm.weight"]
+        for sfx in suffixes:
+            q, k, v = (hf[f"{attn}{x}_proj.{sfx}"] for x in "qkv")
+            if nkv == nh:
+                out[f"{ours}attn.qkv.{sfx}"] = _interleave([q, k, v], nh)
+            else:
+                out[f"{ours}attn.q.{sfx}"] = q
+                out[f"{ours}attn.kv.{sfx}"] = _interleave([k, v], nkv)
+        out[ours + "attn.proj.weight"] = hf[attn + "o_proj.weight"]
+        out[ours + "mlp.gate_up"] = torch.stack([hf[theirs + "mlp.gate_proj.weight"],
+                                                 hf[theirs + "mlp.up_proj.weight"]])
+        out[ours + "mlp.down.weight"] = hf[theirs + "mlp.down_proj.weight"]
+    return out
+
+
+def from_hf(hf_model_or_config, hf_state_dict=None, *, max_seq_len=None):
+    """`(ModelConfig, baseline state dict)` from a Hugging Face `...ForCausalLM` model, or from
+    its config and state dict. `max_seq_len` (default: the config's max_position_embeddings)
+    sizes the rotary tables; lower it for a long-context checkpoint used on short sequences."""
+    if hf_state_dict is None:
+        from transformers import PreTrainedModel  # only when a model object is given
+
+        if not isinstance(hf_model_or_config, PreTrainedModel):
+            raise ValueError(f"from_hf got a {type(hf_model_or_config).__name__}: pass a "
+                             f"Hugging Face model, or its config and its state dict")
+        hf_state_dict = hf_model_or_config.state_dict()
+        hf_model_or_config = hf_model_or_config.config
+    config = config_from_hf(hf_model_or_config, max_seq_len)
+    return config, state_dict_from_hf(config, hf_state_dict)
+
+
+def to_hf(config: ModelConfig, state_dict):
+    """A baseline state dict (or `full_state_dict()` / `full_grads()` of a split model) ->
+    the same tensors under Hugging Face's names and layouts. A tied head's `lm_head.weight` is
+    the embedding's tensor, as in Hugging Face's own state dict."""
+    if config.mlp != "swiglu":
+        raise ValueError(f"mlp={config.mlp!r}: Hugging Face Llama/Mistral/Qwen2 use 'swiglu'")
+    sd = state_dict
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["head.weight"]
+    nh, nkv = config.num_heads, config.num_kv_heads
+    suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
+    for i in range(config.num_layers):
+        theirs, ours = _layer_names(i)
+        attn = theirs + "self_attn."
+        out[theirs + "input_layernorm.weight"] = sd[ours + "attn_norm.weight"]
+        for sfx in suffixes:
+            if nkv == nh:
+                q, k, v = _split(sd[f"{ours}attn.qkv.{sfx}"], nh, 3)
+            else:
+                q, (k, v) = sd[f"{ours}attn.q.{sfx}"], _split(sd[f"{ours}attn.kv.{sfx}"], nkv, 2)
+            for name, t in zip("qkv", (q, k, v)):
+                out[f"{attn}{name}_proj.{sfx}"] = t
+        out[attn + "o_proj.weight"] = sd[ours + "attn.proj.weight"]
+        out[theirs + "post_attention_layernorm.weight"] = sd[ours + "mlp_norm.weight"]
+        gate, up = (t.clone() for t in sd[ours + "mlp.gate_up"].unbind(0))  # own storage
+        out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = gate, up
+        out[theirs + "mlp.down_proj.weight"] = sd[ours + "mlp.down.weight"]
+    return out
+
+
+__all__ = ["config_from_hf", "from_hf", "state_dict_from_hf", "to_hf"]
