@@ -69,7 +69,7 @@ def plot_grad_norms(modes, path):
     save(fig, path)
 
 
-def plot_step_times(modes, path):
+def plot_step_times(modes, path, network=""):
     names = list(modes)
     med = [modes[m]["step_time"]["median"] * 1e3 for m in names]
     low = [med[i] - modes[m]["step_time"]["p10"] * 1e3 for i, m in enumerate(names)]
@@ -82,7 +82,8 @@ def plot_step_times(modes, path):
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
     ax.set_ylabel("step time, ms (median, bars p10-p90)")
-    ax.set_title("Step time after warm-up, device synchronized, slowest rank")
+    ax.set_title("Step time after warm-up, device synchronized, slowest rank"
+                 + (f"\n{network}" if network else ""))
     ax.margins(y=0.25)
     save(fig, path)
 
@@ -112,7 +113,7 @@ def plot_memory(modes, path):
     save(fig, path)
 
 
-def plot_overlap(bench, path):
+def plot_overlap(bench, path, network=""):
     ops = list(bench["ops"])
     variants = [("t_comm_ms", "comm alone"), ("t_gemm_ms", "GEMM alone"),
                 ("t_seq_ms", "sequential"), ("t_overlap_ms", "overlapped")]
@@ -130,13 +131,13 @@ def plot_overlap(bench, path):
     shape = bench["shape"]
     ax.set_ylabel("ms (median, slowest rank)")
     ax.set_title(f"Per-op overlap, s={shape['s']} b={shape['b']} h={shape['h']} "
-                 f"f={shape['f']} p={shape['p']}")
+                 f"f={shape['f']} p={shape['p']}" + (f", {network}" if network else ""))
     ax.legend(fontsize=8)
     ax.margins(y=0.15)
     save(fig, path)
 
 
-def plot_timeline(spans_by_mode, path, title_extra=""):
+def plot_timeline(spans_by_mode, path, title_extra="", network=""):
     """Gantt chart: one panel per mode, rows = (rank, compute) and (rank, comm)."""
     modes = list(spans_by_mode)
     ranks = len(spans_by_mode[modes[0]])
@@ -167,6 +168,8 @@ def plot_timeline(spans_by_mode, path, title_extra=""):
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)
+    if network:
+        fig.suptitle(f"Timeline over {network}", fontsize=11)
     labels = {"post": "posting a transfer", "wait": "blocked waiting for one",
               "ring": "transfer in flight: ring send/recv or all-gather",
               "reduce-scatter": "reduce-scatter in flight", "all-reduce": "all-reduce in flight"}

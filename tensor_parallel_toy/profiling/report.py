@@ -147,6 +147,25 @@ def evaluate_targets(results):
     return out
 
 
+def link_text(link):
+    """One line on the emulated link (profiling/link.py) the ranks talked over."""
+    measured = link.get("measured_bits_per_s")
+    speed = (f"; {link['measured_by']}: {measured / 1e9:.2f} Gbit/s ({measured / 8e6:.0f} MB/s)"
+             if measured else "")
+    return (f"link: {link['rate']} ({link['qdisc']}), {link['topology']} between network "
+            f"namespaces {', '.join(link['namespaces'])} ({link['interface']}, "
+            f"{link['addresses'][0]}-{link['addresses'][-1]}){speed}")
+
+
+def link_label(meta):
+    """A short tag for plot titles: which network the ranks used."""
+    link = meta.get("link")
+    if not link:
+        return "loopback" if meta.get("device") == "cpu" else meta.get("backend", "")
+    measured = link.get("measured_bits_per_s")
+    return f"link {link['rate']}" + (f", {measured / 1e9:.2f} Gbit/s measured" if measured else "")
+
+
 def _fmt_ms(seconds):
     return f"{seconds * 1e3:.1f}"
 
@@ -165,6 +184,10 @@ def summary_text(results):
         f"; batch {run['batch']} x seq {run['seq']} = {run['batch'] * run['seq']} tokens/step, "
         f"{run['steps']} steps ({run['warmup']} warm-up), AdamW lr {run['lr']:g}, {run['dtype']}",
     ]
+    if meta.get("link"):
+        lines.append(link_text(meta["link"]))
+        lines.append("the baseline mode ran on rank 0 alone, as always: it has no communication, "
+                     "so the link does not change it")
     if crowded:
         lines.append(f"NOTE: {meta['tp']} ranks x {meta['threads_per_rank']} thread(s) on "
                      f"{meta['cpu_count']} cores: the ranks take turns on the cores, so the "
