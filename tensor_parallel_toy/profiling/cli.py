@@ -452,26 +452,11 @@ def main(argv=None):
     return 0
 
 
-def _argv_for_ranks(argv, threads):
-    """The launcher's flags minus --link (in any form argparse accepts: --link X, --link=X,
-    an unambiguous prefix), on CPU, with the thread count a local run would choose."""
-    out, skip = [], False
-    for token in argv:
-        name = token.split("=", 1)[0]
-        if skip:
-            skip = False
-        elif len(name) > 3 and "--link".startswith(name):
-            skip = "=" not in token
-        else:
-            out.append(token)
-    return out + ["--device", "cpu", "--threads", str(threads)]
-
-
 def _run_on_link(args, argv):
     """One rank per network namespace, each the torchrun path of this same command."""
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     command = [sys.executable, "-m", "tensor_parallel_toy", "profile",
-               *_argv_for_ranks(argv, threads)]
+               *link.argv_for_ranks(argv, threads)]
     try:
         link.check_host()
         with link.EmulatedLink(args.tp, args.link_bps, args.link) as net:

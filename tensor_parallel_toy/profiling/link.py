@@ -114,17 +114,21 @@ def _alive(pid):
     return True
 
 
+def namespace_pids(name):
+    """The processes running inside namespace `name` ([] when it is gone)."""
+    try:
+        return [int(pid) for pid in _run("ip", "netns", "pids", name).split()]
+    except RuntimeError:
+        return []
+
+
 def remove_namespaces(names):
     """Kill whatever still runs inside each namespace, then delete it (its veths go too)."""
     for name in names:
-        try:
-            pids = _run("ip", "netns", "pids", name).split()
-        except RuntimeError:
-            pids = []
-        for pid in pids:
+        for pid in namespace_pids(name):
             try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
         for _ in range(50):  # a killed process leaves its namespace when it is reaped
             try:
@@ -141,6 +145,21 @@ def remove_leftovers():
     dead = sorted(name for name, pid in our_namespaces().items() if not _alive(pid))
     remove_namespaces(dead)
     return dead
+
+
+def argv_for_ranks(argv, threads):
+    """The launcher's profile flags minus --link (in every form argparse accepts: --link X,
+    --link=X, an unambiguous prefix such as --lin X), on CPU, with `threads` torch threads."""
+    out, skip = [], False
+    for token in argv:
+        name = token.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif len(name) > 3 and "--link".startswith(name):
+            skip = "=" not in token
+        else:
+            out.append(token)
+    return out + ["--device", "cpu", "--threads", str(threads)]
 
 
 def _die_with_parent():
