@@ -17,6 +17,7 @@ import os
 import platform
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from .. import dtensor_tp
 from ..config import ModelConfig, check_seq_len
 from ..initialize import WorkerPool, choose_backend, init_from_env, shutdown
-from . import bench_overlap, link, plots, report, timeline, train
+from . import bench_overlap, link, plots, report, sweep, timeline, train
 from .data import CORPUS_VOCAB
 from .output import write_text
 from .spec import DTYPES, MODEL_DEFAULTS, MODES, ProfileSpec
@@ -98,7 +99,8 @@ def build_parser():
     p.add_argument("--link", default=None, metavar="RATE", help="Linux, as root: run each TP "
                    "rank in its own network namespace, the ranks joined by a link shaped to "
                    "RATE (e.g. 4gbit, 500mbit) with tc tbf, as if on separate hosts (see "
-                   "profiling/link.py)")
+                   "profiling/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep of tp "
+                   "and tp_overlap over them and loopback, written to sweep.json and sweep.png")
     return p
 
 
@@ -165,7 +167,7 @@ def parse_args(argv, env=os.environ):
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
-    args.link_bps = _check_link(args.link, args.device, env)
+    args.link_rates = _check_link(args.link, args.device, env)
     args.backend = _check_device(args.device, args.tp, env)
     if args.threads is not None:
         _check_int("threads", args.threads, 1, 1024)
@@ -206,7 +208,7 @@ def _check_link(text, device, env):
         raise UsageError("--link emulates a network between CPU hosts (gloo); it cannot be "
                          "combined with --device cuda")
     try:
-        return link.parse_rate(text)
+        return link.parse_rates(text)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -459,13 +461,16 @@ def _run_on_link(args, argv):
                *link.argv_for_ranks(argv, threads)]
     try:
         link.check_host()
-        with link.EmulatedLink(args.tp, args.link_bps, args.link) as net:
+        if len(args.link_rates) > 1:
+            return sweep.run(argv, args, threads)
+        (bps, rate), = args.link_rates
+        with link.EmulatedLink(args.tp, bps, rate) as net:
             print(report.link_text(net.describe()), flush=True)
             net.run_ranks(command)
     except link.LinkUnavailable as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except link.RankFailed as e:
+    except (link.RankFailed, subprocess.CalledProcessError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

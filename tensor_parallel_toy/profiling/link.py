@@ -70,6 +70,17 @@ def parse_rate(text):
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
+def parse_rates(text):
+    """'1gbit,4gbit' -> [(1e9, '1gbit'), (4e9, '4gbit')], in increasing rate, no repeats."""
+    rates = {}
+    for part in text.split(","):
+        if not part.strip():
+            raise ValueError(f"--link {text!r}: an empty rate between commas; give e.g. "
+                             f"4gbit, or several rates as 1gbit,2gbit,4gbit")
+        rates[parse_rate(part)] = part.strip().lower()
+    return sorted(rates.items())
+
+
 def check_host():
     """Raise LinkUnavailable (one line) unless this process can build the link."""
     if not sys.platform.startswith("linux"):
@@ -310,6 +321,14 @@ class EmulatedLink:
         for proc in self._procs:
             proc.wait()
         self._procs = []
+
+    def tx_bytes(self):
+        """Bytes each rank's end of the link has sent so far (the kernel's counter)."""
+        sent = []
+        for name in self.names:
+            stats = json.loads(_run("ip", "-n", name, "-s", "-j", "link", "show", IFNAME))
+            sent.append(stats[0]["stats64"]["tx"]["bytes"])
+        return sent
 
     def describe(self):
         """The link as results.json's meta records it."""

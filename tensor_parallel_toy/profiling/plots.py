@@ -181,3 +181,35 @@ def plot_timeline(spans_by_mode, path, title_extra="", network=""):
                bbox_to_anchor=(0.5, -0.04))
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     save(fig, path)
+
+
+def plot_sweep(sweep, path):
+    """Step time of tp and tp_overlap against the link rate, loopback as its own lines, and
+    the two limits: comm-bound (bytes per step / rate) and compute-bound."""
+    rates = [p["rate_bits_per_s"] / 1e9 for p in sweep["rates"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in ("tp", "tp_overlap"):
+        color, ls, marker = STYLE[mode]
+        med = [p[mode]["median_s"] * 1e3 for p in sweep["rates"]]
+        low = [m - p[mode]["p10_s"] * 1e3 for m, p in zip(med, sweep["rates"])]
+        high = [p[mode]["p90_s"] * 1e3 - m for m, p in zip(med, sweep["rates"])]
+        ax.errorbar(rates, med, yerr=[low, high], color=color, linestyle="-", marker=marker,
+                    capsize=4, label=f"{mode} over the link (median, p10-p90)")
+        ax.axhline(sweep["loopback"][mode]["median_s"] * 1e3, color=color, linestyle=ls,
+                   linewidth=1, label=f"{mode} over loopback")
+    dense = [rates[0] * (rates[-1] / rates[0]) ** (i / 50) for i in range(51)]
+    ax.plot(dense, [sweep["bytes_per_step_derived"] * 8 / (r * 1e9) * 1e3 for r in dense],
+            color="#d62728", linewidth=1.5,
+            label=f"comm-bound: {sweep['bytes_per_step_derived'] / 2 ** 20:.1f} MiB per step "
+                  f"/ rate")
+    ax.axhline(sweep["compute_bound_s"] * 1e3, color="#444444", linewidth=1.5,
+               label="compute-bound: loopback tp minus its blocked time")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.set_xlabel("link rate, Gbit/s (tc tbf on every rank's egress)")
+    ax.set_ylabel("step time, ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"When overlap pays: TP={sweep['meta']['tp']}, batch {sweep['meta']['batch']} "
+                 f"x seq {sweep['meta']['seq']}, {sweep['meta']['dtype']}")
+    ax.legend(fontsize=7)
+    save(fig, path)

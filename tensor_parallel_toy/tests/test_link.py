@@ -193,3 +193,23 @@ def test_a_killed_launcher_leaves_namespaces_that_the_next_start_removes(tmp_pat
     assert set(names) <= set(removed), removed
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names), listed
+
+
+def test_several_rates_are_a_sweep_in_increasing_rate(tmp_path):
+    args = profile.parse_args(["--link", "8gbit,1GBIT, 500mbit,4gbit,1gbit", "--out",
+                               str(tmp_path)], env={})
+    assert args.link_rates == [(5e8, "500mbit"), (1e9, "1gbit"), (4e9, "4gbit"), (8e9, "8gbit")], \
+        args.link_rates
+    single = profile.parse_args(["--link", "2.5gbit", "--out", str(tmp_path)], env={})
+    assert single.link_rates == [(2.5e9, "2.5gbit")], single.link_rates
+
+
+@pytest.mark.parametrize("value, words", [
+    ("1gbit,,4gbit", ["--link '1gbit,,4gbit'", "empty rate"]),
+    ("1gbit,2x", ["--link '2x'", "4gbit"]),
+    ("1gbit,4gbit:1ms", ["--link '4gbit:1ms'", "netem"]),
+])
+def test_a_bad_rate_in_a_sweep_is_named(value, words, tmp_path):
+    with pytest.raises(profile.UsageError) as info:
+        profile.parse_args(["--link", value, "--out", str(tmp_path)], env={})
+    assert all(w in str(info.value) for w in words), info.value

@@ -1,0 +1,132 @@
+"""`profile --link 1gbit,2gbit,4gbit,8gbit`: tp and tp_overlap at each link rate and over
+loopback, drawn against the two limits that say when overlap pays.
+
+Each rate is one ordinary `--link` run (profiling/link.py) of the modes tp and tp_overlap, the
+loopback point one ordinary local run of the same flags (with the timeline, for the compute
+limit); each writes its own results folder under OUT/sweep/, and the sweep reads them back.
+
+The limits, per step and per rank (no run can be faster than either):
+
+- comm-bound = bytes one rank sends per step / link rate. The bytes are derived from the
+  model's shapes: every all-gather and reduce-scatter of a step moves a full activation
+  [s, b, h] of which each rank sends (p - 1) / p; a step of L blocks has 10 L + 5 of them
+  (forward: embedding RS; per block qkv AG, proj RS, fc1 AG, fc2 RS; head AG. Backward: head
+  AG + RS; per block fc2 AG, fc1 AG + RS, proj AG, qkv AG + RS; embedding AG). The ring
+  versions move the same bytes in p - 1 steps. Left out: the all-reduces of the norm
+  gradients, the loss and the grad norm (a few KiB). The derived count is checked against the
+  TCP bytes the veth really carried (`ip -s link`, headers included).
+- compute-bound = tp's step time over loopback x (1 - blocked / total) of the loopback
+  timeline's block: the step without the time the ranks sat blocked in communication. On this
+  CPU a transfer's own CPU work stays in it (it is not hideable here, see the README).
+"""
+import json
+import os
+import subprocess
+import sys
+
+from . import link, plots
+from .output import write_text
+
+MODES = ("tp", "tp_overlap")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def bytes_per_step(config, batch, seq, tp, dtype):
+    """Bytes one rank sends in one training step, from the shapes (see the module docstring)."""
+    s = seq + (-seq) % tp  # the hand-written modes pad the sequence to a multiple of p
+    activation = s * batch * config.hidden_size * DTYPE_BYTES[dtype]
+    transfers = 10 * config.num_layers + 5
+    return transfers * activation * (tp - 1) // tp
+
+
+def _step_stats(results, mode):
+    st = results["modes"][mode]["step_time"]
+    return {"median_s": st["median"], "p10_s": st["p10"], "p90_s": st["p90"]}
+
+
+def _read(folder):
+    with open(os.path.join(folder, "results.json")) as f:
+        return json.load(f)
+
+
+def run(argv, args, threads):
+    """The whole sweep; returns the process exit status. `argv`: the profile's flags."""
+    base = link.argv_for_ranks(argv, threads) + ["--modes", ",".join(MODES), "--bench-iters",
+                                                  "0"]
+    out = os.path.join(args.out, "sweep")
+    points, steps = [], args.steps * len(MODES)
+    for bps, text in args.link_rates:
+        folder = os.path.join(out, text)
+        with link.EmulatedLink(args.tp, bps, text) as net:
+            print(f"--- sweep: {report_rate(net.describe())}", flush=True)
+            before = net.tx_bytes()
+            net.run_ranks([sys.executable, "-m", "tensor_parallel_toy", "profile", *base,
+                           "--timeline-iters", "0", "--out", folder])
+            sent = max(a - b for a, b in zip(net.tx_bytes(), before))
+            described = net.describe()
+        results = _read(folder)
+        points.append({"rate": described["rate"], "rate_bits_per_s": bps,
+                       "measured_bits_per_s": described["measured_bits_per_s"],
+                       "veth_tx_bytes_per_step": sent / steps,
+                       **{mode: _step_stats(results, mode) for mode in MODES}})
+    print("--- sweep: loopback", flush=True)
+    folder = os.path.join(out, "loopback")
+    subprocess.run([sys.executable, "-m", "tensor_parallel_toy", "profile", *base,
+                    "--timeline-iters", str(max(1, args.timeline_iters)), "--out", folder],
+                   check=True)
+    loopback = _read(folder)
+    sweep = summarize(points, loopback, args)
+    write_text(os.path.join(args.out, "sweep.json"), json.dumps(sweep, indent=1))
+    plots.plot_sweep(sweep, os.path.join(args.out, "sweep.png"))
+    print(text_table(sweep), end="")
+    print(f"wrote sweep.json, sweep.png to {args.out}/ (each run's files in {out}/)")
+    return 0
+
+
+def summarize(points, loopback, args):
+    tl = loopback["timeline"]["summary"]["tp"]
+    blocked = max(r["blocked_in_comm_ms"] for r in tl["per_rank"])
+    tp_loopback = loopback["modes"]["tp"]["step_time"]["median"]
+    derived = bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
+    return {"rates": points,
+            "loopback": {mode: _step_stats(loopback, mode) for mode in MODES},
+            "bytes_per_step_derived": derived,
+            "compute_bound_s": tp_loopback * (1 - blocked / tl["total_ms"]),
+            "definitions": {
+                "comm_bound_s": "bytes_per_step_derived * 8 / rate",
+                "compute_bound_s": "loopback tp median step x (1 - blocked / total) of the "
+                                   "loopback timeline's block (tp)",
+                "veth_tx_bytes_per_step": "TCP bytes (headers included) one rank's veth sent "
+                                          "during the run / (steps x modes), the larger rank"},
+            "meta": {"tp": args.tp, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+                     "dtype": args.dtype, "cpu_count": os.cpu_count(),
+                     "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}}
+
+
+def report_rate(described):
+    measured = described["measured_bits_per_s"]
+    return f"link {described['rate']}, one TCP stream measured {measured / 1e9:.2f} Gbit/s"
+
+
+def text_table(sweep):
+    lines = [f"\nsweep: step time, ms (median [p10-p90]); bytes one rank sends per step: "
+             f"{sweep['bytes_per_step_derived'] / 2 ** 20:.2f} MiB derived",
+             f"{'link':<10}{'measured':>10}{'veth MiB/step':>15}{'comm-bound':>12}"
+             f"{'tp':>22}{'tp_overlap':>22}{'ratio':>7}"]
+
+    def cell(st):
+        return f"{st['median_s'] * 1e3:.1f} [{st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}]"
+
+    for p in sweep["rates"]:
+        bound = sweep["bytes_per_step_derived"] * 8 / p["rate_bits_per_s"]
+        lines.append(f"{p['rate']:<10}{p['measured_bits_per_s'] / 1e9:>8.2f}Gb"
+                     f"{p['veth_tx_bytes_per_step'] / 2 ** 20:>15.2f}{bound * 1e3:>12.1f}"
+                     f"{cell(p['tp']):>22}{cell(p['tp_overlap']):>22}"
+                     f"{p['tp_overlap']['median_s'] / p['tp']['median_s']:>7.2f}")
+    lo = sweep["loopback"]
+    lines.append(f"{'loopback':<10}{'':>10}{'':>15}{'':>12}{cell(lo['tp']):>22}"
+                 f"{cell(lo['tp_overlap']):>22}"
+                 f"{lo['tp_overlap']['median_s'] / lo['tp']['median_s']:>7.2f}")
+    lines.append(f"compute-bound: {sweep['compute_bound_s'] * 1e3:.1f} ms "
+                 f"({sweep['definitions']['compute_bound_s']})")
+    return "\n".join(lines) + "\n"
