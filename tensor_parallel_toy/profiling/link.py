@@ -274,6 +274,7 @@ class EmulatedLink:
         address, port = self.addresses[1], str(MASTER_PORT)
         receiver = self._in(1, [sys.executable, "-I", "-c", _RECEIVER, address, port],
                             stdout=subprocess.PIPE, text=True)
+        sender = None
         try:
             receiver.stdout.readline()  # "ready": listening
             sender = self._in(0, [sys.executable, "-I", "-c", _SENDER, address, port,
@@ -281,7 +282,7 @@ class EmulatedLink:
             sender.wait(timeout=30)
             got, seconds = receiver.communicate(timeout=30)[0].split()
         finally:
-            for proc in (receiver, locals().get("sender")):
+            for proc in (receiver, sender):
                 if proc is not None and proc.poll() is None:
                     proc.kill()
                     proc.wait()
