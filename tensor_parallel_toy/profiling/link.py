@@ -33,6 +33,7 @@ with a rate, and that is what `profile --link 4gbit` builds, on one machine, as 
 - Namespaces are named after the launcher's pid: a launcher killed by SIGKILL cannot clean up,
   so every start removes namespaces of ours whose launcher is dead (`remove_leftovers`).
 """
+import ctypes
 import json
 import os
 import re
@@ -53,7 +54,8 @@ PROBE_SECONDS = 0.5
 
 
 class LinkUnavailable(Exception):
-    """This machine cannot build the link (not Linux, not root, no ip/tc, no tbf)."""
+    """This machine cannot build the link (not Linux, not root, no ip/tc, no namespaces or
+    no tbf)."""
 
 
 class RankFailed(Exception):
@@ -92,6 +94,17 @@ def check_host():
     if missing:
         raise LinkUnavailable(f"--link needs the {' and '.join(missing)} command(s) "
                               f"(package iproute2), not found on PATH")
+    # Root is not always enough (a container without CAP_SYS_ADMIN, a kernel without tbf):
+    # try both on a namespace of our own that holds nothing but its loopback device.
+    probe = f"{PREFIX}-{os.getpid()}-probe"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit",
+             "burst", "256kb", "latency", "50ms")
+    except RuntimeError as e:
+        raise LinkUnavailable(f"--link cannot build a shaped link here: {e}") from None
+    finally:
+        remove_namespaces([probe] if probe in our_namespaces() else [])
 
 
 def _run(*cmd):
@@ -109,7 +122,7 @@ def our_namespaces():
     found = {}
     for line in _run("ip", "netns", "list").splitlines():
         name = line.split()[0] if line.split() else ""
-        match = re.fullmatch(rf"{PREFIX}-(\d+)-(?:r\d+|br)", name)
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-(?:r\d+|br|probe)", name)
         if match:
             found[name] = int(match.group(1))
     return found
@@ -173,10 +186,14 @@ def argv_for_ranks(argv, threads):
     return out + ["--device", "cpu", "--threads", str(threads)]
 
 
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent():
-    # Runs in the child before exec: if the launcher dies (even by SIGKILL), so does the rank.
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Runs in the child between fork and exec, so it only calls what the parent loaded: if the
+    # launcher dies (even by SIGKILL), the kernel kills the rank too.
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _raise_on_sigterm(signum, frame):
@@ -259,11 +276,7 @@ class EmulatedLink:
         for name, address in zip(self.names, self.addresses):
             _run("ip", "-n", name, "addr", "add", f"{address}/24", "dev", IFNAME)
             _run("ip", "-n", name, "link", "set", IFNAME, "up")
-            try:
-                _run("tc", "-n", name, "qdisc", "add", "dev", IFNAME, "root", *self.qdisc.split())
-            except RuntimeError as e:
-                raise LinkUnavailable(f"--link: tc could not shape the link with tbf ({e})") \
-                    from None
+            _run("tc", "-n", name, "qdisc", "add", "dev", IFNAME, "root", *self.qdisc.split())
 
     def _in(self, rank, argv, **kwargs):
         return subprocess.Popen(["ip", "netns", "exec", self.names[rank], *argv],
@@ -298,7 +311,9 @@ class EmulatedLink:
 
     def run_ranks(self, argv, poll_s=0.1):
         """Start `argv` once per namespace and wait for all. If one rank fails, stop the others
-        at once (they would wait in a collective until its timeout) and raise RankFailed."""
+        at once (they would wait in a collective until its timeout) and raise RankFailed.
+        May be called again once it has returned: each call is one run of the ranks."""
+        self._procs = []
         for rank in range(self.ranks):
             env = {**os.environ, **self.environment(rank)}
             # Own session: a Ctrl-C reaches the launcher only, which then stops the ranks.

@@ -201,7 +201,12 @@ def plot_sweep(sweep, path):
     ax.plot(dense, [sweep["bytes_per_step_derived"] * 8 / (r * 1e9) * 1e3 for r in dense],
             color="#d62728", linewidth=1.5,
             label=f"comm-bound: {sweep['bytes_per_step_derived'] / 2 ** 20:.1f} MiB per step "
-                  f"/ rate")
+                  f"(derived from the shapes) / rate")
+    tp_bytes = [p["tp"]["veth_tx_bytes_per_step"] for p in sweep["rates"]]
+    ax.plot(rates, [b * 8 / (r * 1e9) * 1e3 for b, r in zip(tp_bytes, rates)],
+            color="#d62728", linewidth=1, linestyle="--",
+            label=f"comm-bound of tp as gloo sends it: {max(tp_bytes) / 2 ** 20:.1f} MiB per "
+                  f"step measured on the veth / rate")
     ax.axhline(sweep["compute_bound_s"] * 1e3, color="#444444", linewidth=1.5,
                label="compute-bound: loopback tp minus its blocked time")
     ax.set_xscale("log", base=2)

@@ -161,7 +161,8 @@ def link_label(meta):
     """A short tag for plot titles: which network the ranks used."""
     link = meta.get("link")
     if not link:
-        return "loopback" if meta.get("device") == "cpu" else meta.get("backend", "")
+        return ("loopback, one machine" if meta.get("launcher") == "WorkerPool"
+                else f"{meta.get('backend')}, {meta.get('launcher')}")
     measured = link.get("measured_bits_per_s")
     return f"link {link['rate']}" + (f", {measured / 1e9:.2f} Gbit/s measured" if measured else "")
 
@@ -186,6 +187,7 @@ def summary_text(results):
     ]
     if meta.get("link"):
         lines.append(link_text(meta["link"]))
+    if meta.get("link") and "baseline" in results["modes"]:
         lines.append("the baseline mode ran on rank 0 alone, as always: it has no communication, "
                      "so the link does not change it")
     if crowded:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -29,8 +30,8 @@ def _why_no_link():
     return None
 
 
-needs_link = pytest.mark.skipif(_why_no_link() is not None,
-                                reason=f"no emulated link here: {_why_no_link()}")
+NO_LINK = _why_no_link()
+needs_link = pytest.mark.skipif(NO_LINK is not None, reason=f"no emulated link here: {NO_LINK}")
 
 
 def _namespaces_of(pid):
@@ -100,6 +101,23 @@ def test_without_root_ip_tc_or_linux_it_refuses_in_one_line_before_anything_star
     assert not started, "the link was built although the host cannot have one"
 
 
+@needs_link
+def test_a_kernel_without_tbf_is_refused_in_one_line_and_nothing_is_left(monkeypatch, capsys,
+                                                                         tmp_path):
+    run = link._run
+
+    def no_tbf(*cmd):
+        if cmd[0] == "tc":
+            raise RuntimeError(f"{' '.join(cmd)}: Error: Specified qdisc kind is unknown.")
+        return run(*cmd)
+    monkeypatch.setattr(link, "_run", no_tbf)
+    code = profile.main(["--link", "4gbit", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert err.count("\n") == 1 and "qdisc kind is unknown" in err, err
+    assert not _namespaces_of(os.getpid()), link.our_namespaces()
+
+
 def test_link_flag_is_removed_in_every_form_argparse_accepts():
     for given in (["--link", "4gbit"], ["--link=4gbit"], ["--lin", "4gbit"], ["--li=4gbit"]):
         argv = link.argv_for_ranks(["--steps", "5", *given, "--layers", "1"], threads=3)
@@ -159,20 +177,33 @@ def _start_link_run(tmp_path):
 
 
 @needs_link
-def test_a_dead_rank_stops_the_other_and_the_link_is_removed(tmp_path):
-    proc, names = _start_link_run(tmp_path)
+def test_a_dead_rank_stops_the_other_and_the_link_is_removed(tmp_path, capfd):
+    """The launcher runs here; a thread SIGKILLs rank 1 as soon as it has started."""
+    names = [f"{link.PREFIX}-{os.getpid()}-r{r}" for r in range(2)]
+    ranks = {}
+
+    def kill_rank_1():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(_rank_pids(n) for n in names):
+            time.sleep(0.05)
+        ranks.update({n: _rank_pids(n) for n in names})
+        if ranks[names[1]]:
+            os.kill(ranks[names[1]][0], signal.SIGKILL)
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
     try:
-        ranks = {n: _rank_pids(n) for n in names}
-        os.kill(ranks[names[1]][0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=20)
+        code = profile.main([*TINY, "--steps", "1000", "--link", "4gbit", "--out",
+                             str(tmp_path)])
     finally:
-        proc.kill()
-        link.remove_namespaces(_namespaces_of(proc.pid))
-    assert proc.returncode == 1, (proc.returncode, err)
+        killer.join(timeout=60)
+        link.remove_namespaces(_namespaces_of(os.getpid()))
+    err = capfd.readouterr().err
+    assert ranks.get(names[1]), f"rank 1 never started: {err[-2000:]}"
+    assert code == 1, (code, err[-2000:])
     last = err.strip().splitlines()[-1]  # the ranks' own output comes before it
     assert last == "python -m tensor_parallel_toy profile: error: rank 1 was killed by " \
-                   "signal 9; stopped the other ranks", err
-    assert not _namespaces_of(proc.pid), "namespaces left after a rank died"
+                   "signal 9; stopped the other ranks", err[-2000:]
+    assert not _namespaces_of(os.getpid()), "namespaces left after a rank died"
     alive = [pid for pid in ranks[names[0]] if os.path.exists(f"/proc/{pid}")]
     assert not alive, f"rank 0 (pids {alive}) still runs"
 
