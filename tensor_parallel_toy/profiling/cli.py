@@ -3,7 +3,9 @@ side, benchmark the overlap op by op, record a timeline, and write it all to a r
 
 Every flag is checked before any process starts: a bad value is one line on stderr and exit
 status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
-each rank runs the same phases and rank 0 gathers the numbers and writes the files.
+each rank runs the same phases and rank 0 gathers the numbers and writes the files. With
+`--link RATE` (Linux, root) each rank runs that torchrun path in its own network namespace
+behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
 
     results/results.json   every number, the config, versions, device, backend, world size
     results/summary.txt    the table printed at the end, with the targets
