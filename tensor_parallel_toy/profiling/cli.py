@@ -3,7 +3,9 @@ side, benchmark the overlap op by op, record a timeline, and write it all to a r
 
 Every flag is checked before any process starts: a bad value is one line on stderr and exit
 status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
-each rank runs the same phases and rank 0 gathers the numbers and writes the files.
+each rank runs the same phases and rank 0 gathers the numbers and writes the files. With
+`--link RATE` (Linux, root) each rank runs that torchrun path in its own network namespace
+behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
 
     results/results.json   every number, the config, versions, device, backend, world size
     results/summary.txt    the table printed at the end, with the targets
@@ -17,6 +19,7 @@ import os
 import platform
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from .. import dtensor_tp
 from ..config import ModelConfig, check_seq_len
 from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
-from . import bench_overlap, plots, report, timeline, train
+from . import bench_overlap, link, plots, report, sweep, timeline, train
 from .data import CORPUS_VOCAB
 from .output import write_text
 from .spec import DTYPES, MODEL_DEFAULTS, MODES, ProfileSpec
@@ -99,6 +102,11 @@ def build_parser():
                    f"{PHASE_TIMEOUT_S:g})")
     p.add_argument("--trace", action="store_true",
                    help="also export a torch.profiler Chrome trace of one step per TP mode")
+    p.add_argument("--link", default=None, metavar="RATE", help="Linux, as root: run each TP "
+                   "rank in its own network namespace, the ranks joined by a link shaped to "
+                   "RATE (e.g. 4gbit, 500mbit) with tc tbf, as if on separate hosts (see "
+                   "profiling/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep of tp "
+                   "and tp_overlap over them and loopback, written to sweep.json and sweep.png")
     return p
 
 
@@ -167,6 +175,7 @@ def parse_args(argv, env=os.environ):
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
+    args.link_rates = _check_link(args.link, args.device, env)
     args.backend = _check_device(args.device, args.tp, env)
     if args.threads is not None:
         _check_int("threads", args.threads, 1, 1024)
@@ -195,6 +204,21 @@ def _parse_bench_shape(text, tp):
         raise UsageError(f"--bench-shape {text!r}: S={s} and F={f} must be divisible by "
                          f"the TP size {tp}")
     return shape
+
+
+def _check_link(text, device, env):
+    if text is None:
+        return None
+    if _under_torchrun(env):
+        raise UsageError("--link starts one rank per network namespace itself; run it as a "
+                         "plain command, not under torchrun")
+    if device == "cuda":
+        raise UsageError("--link emulates a network between CPU hosts (gloo); it cannot be "
+                         "combined with --device cuda")
+    try:
+        return link.parse_rates(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _check_device(device, tp, env):
@@ -344,7 +368,10 @@ def _meta(args, threads, load):
             "backend": args.backend, "world_size": args.tp, "tp": args.tp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
             "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,
-            "launcher": "torchrun" if _under_torchrun(os.environ) else "WorkerPool",
+            "launcher": ("--link: one rank per network namespace" if link.LINK_ENV in os.environ
+                         else "torchrun" if _under_torchrun(os.environ) else "WorkerPool"),
+            "link": (json.loads(os.environ[link.LINK_ENV]) if link.LINK_ENV in os.environ
+                     else None),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}
 
@@ -383,13 +410,16 @@ def _render_outputs(results, out):
     modes = results["modes"]
     plots.plot_losses(modes, os.path.join(out, "loss.png"))
     plots.plot_grad_norms(modes, os.path.join(out, "grad_norm.png"))
-    plots.plot_step_times(modes, os.path.join(out, "step_time.png"))
+    network = report.link_label(results["meta"])
+    plots.plot_step_times(modes, os.path.join(out, "step_time.png"), network)
     plots.plot_memory(modes, os.path.join(out, "memory.png"))
     if "overlap_benchmark" in results:
-        plots.plot_overlap(results["overlap_benchmark"], os.path.join(out, "overlap.png"))
+        plots.plot_overlap(results["overlap_benchmark"], os.path.join(out, "overlap.png"),
+                           network)
         files["overlap.png"] = None
     if "timeline" in results:
-        plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"))
+        plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"),
+                            "", network)
         files["timeline.png"] = None
     if results["config"]["run"].get("trace"):
         files.update({f"trace_{m}_rank{r}.json": None for m in results["modes"]
@@ -409,6 +439,8 @@ def main(argv=None):
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     args.argv = argv
+    if args.link is not None:
+        return _run_on_link(args, argv)
     start = time.perf_counter()
     if _under_torchrun(os.environ):
         try:  # the first collective: where a wrong address or network interface shows
@@ -432,4 +464,29 @@ def main(argv=None):
     print("\n" + summary, end="")
     print(f"wrote {', '.join(results['files'])} to {args.out}/ "
           f"in {results['meta']['runtime_s']:.0f} s")
+    return 0
+
+
+def _run_on_link(args, argv):
+    """One rank per network namespace, each the torchrun path of this same command."""
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
+    command = [sys.executable, "-m", "tensor_parallel_toy", "profile",
+               *link.argv_for_ranks(argv, threads)]
+    try:
+        link.check_host()
+        if len(args.link_rates) > 1:
+            return sweep.run(argv, args, threads)
+        (bps, rate), = args.link_rates
+        with link.EmulatedLink(args.tp, bps, rate) as net:
+            print(report.link_text(net.describe()), flush=True)
+            net.run_ranks(command)
+    except link.LinkUnavailable as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except (link.RankFailed, subprocess.CalledProcessError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted: stopped the ranks and removed the link", file=sys.stderr)
+        return 130
     return 0

@@ -69,7 +69,7 @@ def plot_grad_norms(modes, path):
     save(fig, path)
 
 
-def plot_step_times(modes, path):
+def plot_step_times(modes, path, network=""):
     names = list(modes)
     med = [modes[m]["step_time"]["median"] * 1e3 for m in names]
     low = [med[i] - modes[m]["step_time"]["p10"] * 1e3 for i, m in enumerate(names)]
@@ -82,7 +82,8 @@ def plot_step_times(modes, path):
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
     ax.set_ylabel("step time, ms (median, bars p10-p90)")
-    ax.set_title("Step time after warm-up, device synchronized, slowest rank")
+    ax.set_title("Step time after warm-up, device synchronized, slowest rank"
+                 + (f"\n{network}" if network else ""))
     ax.margins(y=0.25)
     save(fig, path)
 
@@ -112,7 +113,7 @@ def plot_memory(modes, path):
     save(fig, path)
 
 
-def plot_overlap(bench, path):
+def plot_overlap(bench, path, network=""):
     ops = list(bench["ops"])
     variants = [("t_comm_ms", "comm alone"), ("t_gemm_ms", "GEMM alone"),
                 ("t_seq_ms", "sequential"), ("t_overlap_ms", "overlapped")]
@@ -130,13 +131,13 @@ def plot_overlap(bench, path):
     shape = bench["shape"]
     ax.set_ylabel("ms (median, slowest rank)")
     ax.set_title(f"Per-op overlap, s={shape['s']} b={shape['b']} h={shape['h']} "
-                 f"f={shape['f']} p={shape['p']}")
+                 f"f={shape['f']} p={shape['p']}" + (f", {network}" if network else ""))
     ax.legend(fontsize=8)
     ax.margins(y=0.15)
     save(fig, path)
 
 
-def plot_timeline(spans_by_mode, path, title_extra=""):
+def plot_timeline(spans_by_mode, path, title_extra="", network=""):
     """Gantt chart: one panel per mode, rows = (rank, compute) and (rank, comm)."""
     modes = list(spans_by_mode)
     ranks = len(spans_by_mode[modes[0]])
@@ -167,6 +168,8 @@ def plot_timeline(spans_by_mode, path, title_extra=""):
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)
+    if network:
+        fig.suptitle(f"Timeline over {network}", fontsize=11)
     labels = {"post": "posting a transfer", "wait": "blocked waiting for one",
               "ring": "transfer in flight: ring send/recv or all-gather",
               "reduce-scatter": "reduce-scatter in flight", "all-reduce": "all-reduce in flight"}
@@ -177,4 +180,41 @@ def plot_timeline(spans_by_mode, path, title_extra=""):
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8,
                bbox_to_anchor=(0.5, -0.04))
     fig.tight_layout(rect=(0, 0.07, 1, 1))
+    save(fig, path)
+
+
+def plot_sweep(sweep, path):
+    """Step time of tp and tp_overlap against the link rate, loopback as its own lines, and
+    the two limits: comm-bound (bytes per step / rate) and compute-bound."""
+    rates = [p["rate_bits_per_s"] / 1e9 for p in sweep["rates"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in ("tp", "tp_overlap"):
+        color, ls, marker = STYLE[mode]
+        med = [p[mode]["median_s"] * 1e3 for p in sweep["rates"]]
+        low = [m - p[mode]["p10_s"] * 1e3 for m, p in zip(med, sweep["rates"])]
+        high = [p[mode]["p90_s"] * 1e3 - m for m, p in zip(med, sweep["rates"])]
+        ax.errorbar(rates, med, yerr=[low, high], color=color, linestyle="-", marker=marker,
+                    capsize=4, label=f"{mode} over the link (median, p10-p90)")
+        ax.axhline(sweep["loopback"][mode]["median_s"] * 1e3, color=color, linestyle=ls,
+                   linewidth=1, label=f"{mode} over loopback")
+    dense = [rates[0] * (rates[-1] / rates[0]) ** (i / 50) for i in range(51)]
+    ax.plot(dense, [sweep["bytes_per_step_derived"] * 8 / (r * 1e9) * 1e3 for r in dense],
+            color="#d62728", linewidth=1.5,
+            label=f"comm-bound: {sweep['bytes_per_step_derived'] / 2 ** 20:.1f} MiB per step "
+                  f"(derived from the shapes) / rate")
+    tp_bytes = [p["tp"]["veth_tx_bytes_per_step"] for p in sweep["rates"]]
+    ax.plot(rates, [b * 8 / (r * 1e9) * 1e3 for b, r in zip(tp_bytes, rates)],
+            color="#d62728", linewidth=1, linestyle="--",
+            label=f"comm-bound of tp as gloo sends it: {max(tp_bytes) / 2 ** 20:.1f} MiB per "
+                  f"step measured on the veth / rate")
+    ax.axhline(sweep["compute_bound_s"] * 1e3, color="#444444", linewidth=1.5,
+               label="compute-bound: loopback tp minus its blocked time")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.set_xlabel("link rate, Gbit/s (tc tbf on every rank's egress)")
+    ax.set_ylabel("step time, ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"When overlap pays: TP={sweep['meta']['tp']}, batch {sweep['meta']['batch']} "
+                 f"x seq {sweep['meta']['seq']}, {sweep['meta']['dtype']}")
+    ax.legend(fontsize=7)
     save(fig, path)

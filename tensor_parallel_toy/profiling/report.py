@@ -25,13 +25,18 @@ def combine_mode(per_rank, warmup, tokens_per_step):
     steps = len(ranks[0]["step_time_s"])
     slowest = [max(r["step_time_s"][i] for r in ranks) for i in range(steps)]
     stats = summarize(slowest[warmup:])
+    sent = {}
+    if all("sent_bytes" in r for r in ranks):  # over a real interface: bytes on the wire
+        per_step = [max(r["sent_bytes"][i] for r in ranks) for i in range(steps)]
+        sent = {"sent_bytes_per_step": summarize(per_step[warmup:])["median"]}
     return {"loss": ranks[0]["loss"], "grad_norm": ranks[0]["grad_norm"],
             "step_time_s": slowest, "step_time_s_per_rank": [r["step_time_s"] for r in ranks],
             "step_time": stats, "tokens_per_s": tokens_per_step / stats["median"],
             "memory_per_rank": [r["memory"] for r in ranks],
             "threads_per_rank": [r["threads"] for r in ranks],
             "loss_spread_across_ranks": max(abs(a - b) for r in ranks
-                                            for a, b in zip(r["loss"], ranks[0]["loss"]))}
+                                            for a, b in zip(r["loss"], ranks[0]["loss"])),
+            **sent}
 
 
 def add_baseline_errors(modes):
@@ -177,6 +182,26 @@ def evaluate_targets(results):
     return out
 
 
+def link_text(link):
+    """One line on the emulated link (profiling/link.py) the ranks talked over."""
+    measured = link.get("measured_bits_per_s")
+    speed = (f"; {link['measured_by']}: {measured / 1e9:.2f} Gbit/s ({measured / 8e6:.0f} MB/s)"
+             if measured else "")
+    return (f"link: {link['rate']} ({link['qdisc']}), {link['topology']} between network "
+            f"namespaces {', '.join(link['namespaces'])} ({link['interface']}, "
+            f"{link['addresses'][0]}-{link['addresses'][-1]}){speed}")
+
+
+def link_label(meta):
+    """A short tag for plot titles: which network the ranks used."""
+    link = meta.get("link")
+    if not link:
+        return ("loopback, one machine" if meta.get("launcher") == "WorkerPool"
+                else f"{meta.get('backend')}, {meta.get('launcher')}")
+    measured = link.get("measured_bits_per_s")
+    return f"link {link['rate']}" + (f", {measured / 1e9:.2f} Gbit/s measured" if measured else "")
+
+
 def _fmt_ms(seconds):
     return f"{seconds * 1e3:.1f}"
 
@@ -195,6 +220,11 @@ def summary_text(results):
         f"; batch {run['batch']} x seq {run['seq']} = {run['batch'] * run['seq']} tokens/step, "
         f"{run['steps']} steps ({run['warmup']} warm-up), AdamW lr {run['lr']:g}, {run['dtype']}",
     ]
+    if meta.get("link"):
+        lines.append(link_text(meta["link"]))
+    if meta.get("link") and "baseline" in results["modes"]:
+        lines.append("the baseline mode ran on rank 0 alone, as always: it has no communication, "
+                     "so the link does not change it")
     if crowded:
         lines.append(f"NOTE: {meta['tp']} ranks x {meta['threads_per_rank']} thread(s) on "
                      f"{meta['cpu_count']} cores: the ranks take turns on the cores, so the "

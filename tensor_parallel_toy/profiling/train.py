@@ -134,6 +134,20 @@ def run_modes(modes, spec):
     return {mode: run.out for mode, run in runs.items()}
 
 
+def _sent_bytes():
+    """Bytes this host has sent on the network interface gloo uses (GLOO_SOCKET_IFNAME), or
+    None when none is named (loopback runs). Read around each step, it gives the bytes a mode
+    really puts on the wire, headers included (see profiling/link.py)."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not name:
+        return None
+    try:
+        with open(f"/sys/class/net/{name}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 class _ModeRun:
     """One mode's model, optimizer and measurements on this rank."""
 
@@ -165,10 +179,12 @@ class _ModeRun:
                 torch.cuda.reset_peak_memory_stats(device)
             if self.aligned:
                 dist.barrier(group=self.group)
-            start = now(device)
+            sent, start = _sent_bytes(), now(device)
             loss, norm, sizes = train_step(self.mode, self.model, self.optimizer, ids, labels,
                                            self.group, meter)
             seconds = now(device) - start
+            if sent is not None:
+                self.out.setdefault("sent_bytes", []).append(_sent_bytes() - sent)
         finally:
             torch.set_num_threads(threads)
         if sizes is not None:
