@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import link
+from tensor_parallel_toy.profiling import link, sweep
 
 TINY = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
         "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "0",
@@ -143,6 +143,12 @@ def test_two_ranks_over_the_link_train_exactly_as_over_loopback(pools, tmp_path,
 
     args = profile.parse_args([*TINY, "--out", str(tmp_path / "loopback")], env={})
     args.argv = TINY
+    # Each step's bytes on the wire, read from the interface: at least what the shapes say the
+    # ring sends. At this tiny size the step's small collectives (barrier, batch check, loss
+    # and norm all-reduces) and the headers add ~20 KB to 30 KB (at the profile's sizes, +5 %).
+    derived = sweep.bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
+    sent = saved["modes"]["tp_overlap"]["sent_bytes_per_step"]
+    assert derived <= sent <= 2 * derived, f"sent {sent} B per step, derived {derived} B"
     loopback = profile.run_phases(profile.PoolRunner(pools(2)), args)
     for mode in ("baseline", "tp", "tp_overlap"):
         over_link, over_loopback = saved["modes"][mode]["loss"], loopback["modes"][mode]["loss"]
