@@ -11,6 +11,7 @@ each rank runs the same phases and rank 0 gathers the numbers and writes the fil
     results/trace_<mode>_rank<r>.json   with --trace: torch.profiler Chrome traces (Perfetto)
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -51,7 +52,10 @@ def build_parser():
                 "overlap) and PyTorch DTensor TP side by side on the same data and weights; "
                 "benchmark the overlap per op; draw the timeline.")
     p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}; "
-                   f"under torchrun the world size)")
+                   f"under torchrun the world size / --dp)")
+    p.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel size: above 1 the TP "
+                   f"modes run 2-D, FSDP2 over dp copies of the TP model, dp x tp ranks "
+                   f"(default {d.dp})")
     p.add_argument("--steps", type=int, default=d.steps,
                    help=f"training steps per mode (default {d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup,
@@ -82,8 +86,8 @@ def build_parser():
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {','.join(MODES)} (default all)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per TP rank "
-                   "(default: CPU cores / TP size)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank "
+                   "(default: CPU cores / ranks)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"weights and data seed (default {d.seed})")
     p.add_argument("--bench-iters", type=int, default=d.bench_iters, help=f"timed rounds per op "
@@ -115,14 +119,20 @@ def _check_int(name, value, low, high=None):
 def parse_args(argv, env=os.environ):
     """Parse and check every flag; raise UsageError (one line) before anything starts."""
     args = build_parser().parse_args(argv)
+    _check_int("dp", args.dp, 1, 64)
     if _under_torchrun(env):
         world = int(env["WORLD_SIZE"])
-        if args.tp is not None and args.tp != world:
-            raise UsageError(f"--tp {args.tp} does not match torchrun's world size {world}; "
-                             f"the TP group is the whole world here")
-        args.tp = world
+        tp = world // args.dp if args.tp is None else args.tp
+        if tp * args.dp != world:
+            raise UsageError(f"--dp {args.dp} x --tp {tp} = {tp * args.dp} ranks does not match "
+                             f"torchrun's world size {world}; the world is the dp x tp grid")
+        args.tp = tp
     args.tp = ProfileSpec.tp if args.tp is None else args.tp
     _check_int("tp", args.tp, 2, 64)
+    if args.batch % args.dp:
+        raise UsageError(f"--batch {args.batch} is not divisible by --dp {args.dp}: each "
+                         f"data-parallel rank trains on batch / dp rows; use --batch "
+                         f"{args.batch + (-args.batch) % args.dp}")
     _check_int("steps", args.steps, 2, 100_000)
     if args.warmup < 1:
         raise UsageError(f"--warmup {args.warmup}: must be at least 1 (the first step allocates "
@@ -167,12 +177,12 @@ def parse_args(argv, env=os.environ):
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
-    args.backend = _check_device(args.device, args.tp, env)
+    args.backend = _check_device(args.device, args.tp * args.dp, env)
     if args.threads is not None:
         _check_int("threads", args.threads, 1, 1024)
     _check_out(args.out)
     args.spec = ProfileSpec(
-        config=args.config, tp=args.tp, steps=args.steps, warmup=args.warmup, batch=args.batch,
+        config=args.config, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup, batch=args.batch,
         seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
@@ -197,12 +207,12 @@ def _parse_bench_shape(text, tp):
     return shape
 
 
-def _check_device(device, tp, env):
+def _check_device(device, ranks, env):
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r}: valid: auto, cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
-    local = int(env.get("LOCAL_WORLD_SIZE", tp)) if _under_torchrun(env) else tp
+    local = int(env.get("LOCAL_WORLD_SIZE", ranks)) if _under_torchrun(env) else ranks
     try:
         return choose_backend(local, device)
     except ValueError as e:
@@ -299,6 +309,11 @@ def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     spec = args.spec
     threads = runner.run(_threads, spec.threads)
+    if spec.dp > 1 and (spec.bench_iters > 0 or spec.timeline_iters > 0):
+        _say(runner, f"skipping the per-op benchmark and the timeline with --dp {spec.dp}: they "
+                     f"time single TP ops and one block, which data parallelism does not change; "
+                     f"run them with --dp 1")
+        spec = dataclasses.replace(spec, bench_iters=0, timeline_iters=0)
     phases = 1 + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
     tokens = spec.batch * spec.seq
     load, k = {}, 1
@@ -341,7 +356,8 @@ def _meta(args, threads, load):
     return {"torch": torch.__version__, "python": platform.python_version(),
             "device": "cuda" if args.backend == "nccl" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
-            "backend": args.backend, "world_size": args.tp, "tp": args.tp,
+            "backend": args.backend, "world_size": args.tp * args.dp, "tp": args.tp,
+            "dp": args.dp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
             "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,
             "launcher": "torchrun" if _under_torchrun(os.environ) else "WorkerPool",
@@ -424,8 +440,9 @@ def main(argv=None):
         if runner.rank != 0:
             return 0
     else:
-        print(f"spawning {args.tp} ranks ({args.backend})...", flush=True)
-        with WorkerPool(args.tp, backend=args.backend) as pool:
+        ranks = args.tp * args.dp
+        print(f"spawning {ranks} ranks ({args.backend})...", flush=True)
+        with WorkerPool(ranks, backend=args.backend) as pool:
             results = run_phases(PoolRunner(pool, args.timeout), args)
     results["meta"]["runtime_s"] = time.perf_counter() - start
     summary = write_outputs(results, args.out)

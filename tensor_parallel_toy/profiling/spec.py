@@ -25,6 +25,7 @@ SEQ = 128  # the sequence length, which is also the model's max_seq_len
 class ProfileSpec:
     config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)
     tp: int = 2
+    dp: int = 1  # data-parallel size: dp > 1 makes the TP modes 2-D, dp x tp ranks (train.py)
     steps: int = 60  # training steps per mode
     warmup: int = 5  # first steps left out of the timing statistics (at least 1)
     batch: int = 8  # global batch size
@@ -33,7 +34,7 @@ class ProfileSpec:
     dtype: str = "fp32"  # a key of DTYPES
     seed: int = 0  # weights and data
     modes: Tuple[str, ...] = MODES
-    threads: Optional[int] = None  # torch threads per TP rank; None: CPU cores / TP size
+    threads: Optional[int] = None  # torch threads per rank; None: CPU cores / ranks
     baseline_threads: int = os.cpu_count() or 1  # the baseline runs alone: every core
     bench_iters: int = 60  # timed rounds per op in the overlap benchmark; 0 skips it
     bench_warmup: int = 3  # untimed rounds before them

@@ -103,6 +103,9 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--bench-shape", "15,2,32,64"], ["S=15", "TP size 2"]),
     (["--no-such-flag"], ["--no-such-flag"]),
     (["--timeout", "0"], ["--timeout 0", "positive number of seconds"]),
+    (["--dp", "0"], ["--dp 0", "between 1 and 64"]),
+    (["--dp", "2", "--batch", "3"], ["--batch 3", "--dp 2", "--batch 4"]),
+    (["--dp", "2", "--tp", "3"], ["hidden_size=256", "size 3"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
@@ -271,3 +274,46 @@ def test_timeline_sees_every_collective_of_the_model_vocabulary_and_norms_includ
         expected = {"reduce-scatter": 4 * L + 2, "all-gather": 6 * L + 4, "all-reduce": 2 * L + 3}
     for rank, got in enumerate(counts):
         assert got == expected, f"rank {rank}: recorded {got}, the model makes {expected}"
+
+
+def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp_path):
+    """--dp 2 --tp 2 on the shared 4-rank pool: tp, tp_overlap and dtensor wrapped by FSDP2
+    over two data-parallel halves of the batch, the baseline on the whole batch on one rank;
+    the loss and gradient norm of every step agree, and the run is recorded as 2 x 2."""
+    flags = [*TINY, "--dp", "2", "--tp", "2", "--out", str(tmp_path)]  # bench, timeline skipped
+    args = profile.parse_args(flags, env={})
+    args.argv = flags
+    results = profile.run_phases(profile.PoolRunner(pools(4)), args)
+    meta = results["meta"]
+    assert (meta["dp"], meta["tp"], meta["world_size"]) == (2, 2, 4), meta
+    assert "overlap_benchmark" not in results and "timeline" not in results, list(results)
+    assert list(results["modes"]) == list(MODES)
+    for mode, d in results["modes"].items():
+        if mode == "baseline":
+            assert len(d["memory_per_rank"]) == 1, d["memory_per_rank"]
+            continue
+        assert len(d["memory_per_rank"]) == 4, (mode, d["memory_per_rank"])
+        assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+        assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, \
+            (mode, d["grad_norm_rel_err_vs_baseline"])
+        assert d["loss_spread_across_ranks"] <= 1e-6 * abs(d["loss"][0]), (mode, d)
+    # FSDP2 keeps 1/dp of each TP shard of the parameters on a rank.
+    param_bytes = {m: results["modes"][m]["memory_per_rank"][0]["param_bytes"]
+                   for m in ("baseline", "tp")}
+    assert param_bytes["tp"] * 4 <= param_bytes["baseline"] * 1.05, param_bytes
+    assert "DP=2 (FSDP2) x TP=2" in profile.report.summary_text(
+        {**results, "targets": []}), "summary header"
+
+
+@pytest.mark.parametrize("flags, world, words", [
+    (["--dp", "3"], 4, ["--dp 3 x --tp 1 = 3 ranks", "world size 4"]),
+    (["--dp", "2", "--tp", "4"], 4, ["--dp 2 x --tp 4 = 8 ranks", "world size 4"]),
+    (["--tp", "2"], 4, ["--dp 1 x --tp 2 = 2 ranks", "world size 4"]),
+])
+def test_under_torchrun_dp_times_tp_must_be_the_world_size(flags, world, words, tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": str(world)}
+    with pytest.raises(profile.UsageError) as info:
+        profile.parse_args([*flags, "--out", str(tmp_path)], env=env)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    args = profile.parse_args(["--dp", "2", "--out", str(tmp_path)], env=env)
+    assert (args.spec.dp, args.spec.tp) == (2, 2), args.spec
