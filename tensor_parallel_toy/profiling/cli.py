@@ -13,6 +13,7 @@ each rank runs the same phases and rank 0 gathers the numbers and writes the fil
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env,
 from . import bench_overlap, plots, report, timeline, train
 from .data import CORPUS_VOCAB
 from .output import write_text
-from .spec import DTYPES, MODEL_DEFAULTS, MODES, ProfileSpec
+from .spec import DTYPES, MODEL_DEFAULTS, MODELS, MODES, ProfileSpec
 
 PROG = "python -m tensor_parallel_toy profile"
 PHASE_TIMEOUT_S = 3600.0
@@ -84,8 +86,11 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: one GPU "
                    "per rank when there are enough, else CPU)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated subset of {','.join(MODES)} (default all)")
+    p.add_argument("--model", default=d.model, help=f"{' or '.join(MODELS)}: the network, "
+                   f"with a GELU MLP or Llama's SwiGLU MLP (default {d.model})")
+    p.add_argument("--modes", default=None, help="comma-separated subset of the model's modes, "
+                   + "; ".join(f"{k}: {','.join(v['modes'])}" for k, v in MODELS.items())
+                   + " (default all of them)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank "
                    "(default: CPU cores / ranks)")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -154,17 +159,22 @@ def parse_args(argv, env=os.environ):
     if args.vocab < CORPUS_VOCAB:
         raise UsageError(f"--vocab {args.vocab}: the corpus is ASCII text, token ids go up to "
                          f"{CORPUS_VOCAB - 1}; use --vocab {CORPUS_VOCAB} or more")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r}: valid: {', '.join(MODELS)}")
+    valid = MODELS[args.model]["modes"]
+    modes = [m.strip() for m in (args.modes or ",".join(valid)).split(",") if m.strip()]
+    bad = [m for m in modes if m not in valid]
     if not modes or bad:
-        raise UsageError(f"--modes {args.modes!r}: valid modes are {', '.join(MODES)}")
+        raise UsageError(f"--modes {args.modes!r}: valid modes with --model {args.model} are "
+                         f"{', '.join(valid)}" + _other_model_hint(bad))
     args.modes = [m for m in MODES if m in modes]  # always in the canonical order
     try:
         args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                   num_layers=args.layers, num_heads=args.heads,
                                   ffn_hidden_size=args.ffn, max_seq_len=args.seq,
                                   num_kv_heads=args.kv_heads,
-                                  tie_embeddings=args.tie_embeddings)
+                                  tie_embeddings=args.tie_embeddings,
+                                  mlp=MODELS[args.model]["mlp"])
         args.config.check_tp_size(args.tp)
         check_seq_len(args.seq, args.tp, args.seq)
         if "dtensor" in args.modes:
@@ -174,6 +184,15 @@ def parse_args(argv, env=os.environ):
                     f"sequence length {args.seq} is not divisible by the TP size {args.tp}: the "
                     f"dtensor mode needs equal sequence shards (the hand-written modes pad); "
                     f"use --seq {args.seq + (-args.seq) % args.tp} or leave dtensor out of --modes")
+        if "hf_dtensor" in args.modes:  # the sizes its LlamaConfig will have (hf_llama.py)
+            if importlib.util.find_spec("transformers") is None:
+                raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
+                                 "requirements.txt), or leave it out of --modes")
+            c = args.config
+            dtensor_tp.check_hf_plan(types.SimpleNamespace(
+                tie_word_embeddings=c.tie_embeddings, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_hidden_size,
+                vocab_size=c.vocab_size, hidden_size=c.hidden_size), args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
@@ -182,13 +201,19 @@ def parse_args(argv, env=os.environ):
         _check_int("threads", args.threads, 1, 1024)
     _check_out(args.out)
     args.spec = ProfileSpec(
-        config=args.config, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup, batch=args.batch,
+        config=args.config, model=args.model, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup, batch=args.batch,
         seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
         timeline_iters=args.timeline_iters,
         trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
+
+
+def _other_model_hint(bad):
+    """' (mode m needs --model k)' for a mode that another --model runs, else ''."""
+    hints = [f"{m} needs --model {k}" for m in bad for k, v in MODELS.items() if m in v["modes"]]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _parse_bench_shape(text, tp):
@@ -367,7 +392,7 @@ def _meta(args, threads, load):
 
 def _config(args):
     model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
-    run = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
+    run = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
            "lr": args.lr, "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
                         f"linearly over the first {train.LR_WARMUP_STEPS} steps",
            "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,

@@ -16,6 +16,7 @@ TARGETS = {
     "overlap_vs_dtensor": 0.8,
 }
 RATIOS = (("tp_overlap", "tp"), ("tp_overlap", "dtensor"), ("tp", "dtensor"),
+          ("tp_overlap", "hf_dtensor"), ("tp", "hf_dtensor"),
           ("tp", "baseline"), ("tp_overlap", "baseline"))
 
 
@@ -192,7 +193,8 @@ def summary_text(results):
         f"tensor_parallel_toy profile: {grid} over {meta['backend']} on "
         f"{meta['device']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores, "
         f"{meta['threads_per_rank']} thread(s) per TP rank, baseline {meta['baseline_threads']}",
-        f"model: hidden {model['hidden_size']}, {model['num_layers']} layers, "
+        f"model: {'Llama (SwiGLU MLP), ' if run.get('model') == 'llama' else ''}"
+        f"hidden {model['hidden_size']}, {model['num_layers']} layers, "
         f"{model['num_heads']} heads, ffn {model['ffn_hidden_size']}, vocab {model['vocab_size']}"
         f"; batch {run['batch']} x seq {run['seq']} = {run['batch'] * run['seq']} tokens/step, "
         f"{run['steps']} steps ({run['warmup']} warm-up), AdamW lr {run['lr']:g}, {run['dtype']}",

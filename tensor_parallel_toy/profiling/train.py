@@ -1,11 +1,13 @@
 """The training runs of the profile on this rank, every mode side by side, interleaved step by
 step, with the metrics the profile reports per step.
 
-Modes (the same network, initial weights, data and optimizer in all four):
+Modes (the same network, initial weights, data and optimizer in all of them):
     baseline    `Transformer(config)` on one rank, plain nn.Linear, no communication
     tp          hand-written TP + SP layers, collectives called whole
     tp_overlap  the same layers with the ring overlap (`overlap=True`)
     dtensor     the baseline model parallelized by PyTorch DTensor (see dtensor_tp.py)
+    hf_dtensor  with a Llama-style config: a Hugging Face LlamaForCausalLM holding the
+                baseline's weights, parallelized by PyTorch's plan for it (see hf_llama.py)
 
 A step is: forward, loss, backward, (dtensor: reduce the partial gradients), gradient norm,
 AdamW step, zero_grad. Its time is taken from a barrier (every rank starts together) to the
@@ -31,7 +33,7 @@ from ..data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_
 from ..initialize import current_device
 from ..model import Transformer
 from ..sharding import grad_norm
-from . import data
+from . import data, hf_llama
 from .metrics import SavedActivationBytes, now, state_bytes
 from .output import atomic_path
 from .spec import MODES
@@ -61,6 +63,8 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None):
     elif mode == "dtensor":
         model = dtensor_tp.parallelize(Transformer(config, seed=seed).to(device, dtype),
                                        group if mesh is None else mesh["tp"], device.type)
+    elif mode == "hf_dtensor":  # wrapped with FSDP2 there, if 2-D: its layers have HF names
+        return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh)
     else:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     return model if mesh is None else apply_fsdp(model, mesh)
@@ -87,6 +91,8 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None, dp_group=
     with meter or contextlib.nullcontext():
         if mode == "dtensor":
             loss = dtensor_tp.loss_and_backward(model, ids, labels)
+        elif mode == "hf_dtensor":  # pads, and leaves the gradients reduced
+            loss = hf_llama.loss_and_backward(model, ids, labels, dist.get_world_size(group))
         elif dp_group is not None:
             loss = data_parallel_loss(model, ids, labels, dp_group)
             loss.backward()
@@ -95,11 +101,11 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None, dp_group=
             loss.backward()
     if mode == "dtensor":
         dtensor_tp.reduce_partial_grads(model)
-    if mode == "dtensor" and dp_group is not None:
+    if mode in ("dtensor", "hf_dtensor") and dp_group is not None:
         # Gradients on the 2-D mesh: get_total_norm reads the placements of both dimensions.
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         norm = norm.full_tensor().item()
-    elif mode == "dtensor":
+    elif mode in ("dtensor", "hf_dtensor"):
         norm = dtensor_tp.grad_norm(model, group)
     else:
         norm = grad_norm(model, None if mode == "baseline" else group)

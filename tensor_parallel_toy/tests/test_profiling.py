@@ -17,7 +17,7 @@ from tensor_parallel_toy.profiling import cli as profile
 from tensor_parallel_toy.profiling import data
 from tensor_parallel_toy.profiling.bench_overlap import OPS
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
-from tensor_parallel_toy.profiling.spec import MODES
+from tensor_parallel_toy.profiling.spec import MODELS, MODES
 from tensor_parallel_toy.profiling.train import interleaved_order
 
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
@@ -41,7 +41,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
         assert key in saved, f"results.json lacks {key!r}"
     for key in ("torch", "device", "backend", "world_size", "tp", "threads_per_rank"):
         assert key in saved["meta"], f"meta lacks {key!r}"
-    assert list(saved["modes"]) == list(MODES)
+    assert list(saved["modes"]) == list(MODELS["default"]["modes"])
     for mode, d in saved["modes"].items():
         for key in ("loss", "grad_norm", "step_time_s", "step_time", "tokens_per_s",
                     "memory_per_rank"):
@@ -106,6 +106,12 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--dp", "0"], ["--dp 0", "between 1 and 64"]),
     (["--dp", "2", "--batch", "3"], ["--batch 3", "--dp 2", "--batch 4"]),
     (["--dp", "2", "--tp", "3"], ["hidden_size=256", "size 3"]),
+    (["--model", "gpt"], ["--model 'gpt'", "default, llama"]),
+    (["--modes", "tp,hf_dtensor"], ["baseline, tp, tp_overlap, dtensor",
+                                    "hf_dtensor needs --model llama"]),
+    (["--model", "llama", "--modes", "dtensor"], ["hf_dtensor", "dtensor needs --model default"]),
+    (["--model", "llama", "--kv-heads", "1"], ["num_key_value_heads=1", "size 2"]),
+    (["--model", "llama", "--tie-embeddings"], ["tie_word_embeddings=True"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
@@ -287,7 +293,7 @@ def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp
     meta = results["meta"]
     assert (meta["dp"], meta["tp"], meta["world_size"]) == (2, 2, 4), meta
     assert "overlap_benchmark" not in results and "timeline" not in results, list(results)
-    assert list(results["modes"]) == list(MODES)
+    assert list(results["modes"]) == list(MODELS["default"]["modes"])
     for mode, d in results["modes"].items():
         if mode == "baseline":
             assert len(d["memory_per_rank"]) == 1, d["memory_per_rank"]
@@ -317,3 +323,26 @@ def test_under_torchrun_dp_times_tp_must_be_the_world_size(flags, world, words, 
     assert all(w in str(info.value) for w in words), str(info.value)
     args = profile.parse_args(["--dp", "2", "--out", str(tmp_path)], env=env)
     assert (args.spec.dp, args.spec.tp) == (2, 2), args.spec
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["tp2", "dp2xtp2"])
+def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_same_weights(
+        pools, tmp_path, dp):
+    """--model llama: our SwiGLU Transformer in every mode, and hf_dtensor, a Hugging Face
+    LlamaForCausalLM holding the baseline's converted weights under PyTorch's plan (padded:
+    seq 15 is odd; grouped-query attention); each step's loss and grad norm equal the
+    baseline's. With --dp 2 every TP mode is FSDP2-wrapped over two halves of the batch."""
+    flags = [*TINY, "--model", "llama", "--seq", "15", "--kv-heads", "2", "--dp", str(dp),
+             "--bench-iters", "0", "--timeline-iters", "0", "--out", str(tmp_path)]
+    args = profile.parse_args(flags, env={})
+    args.argv = flags
+    results = profile.run_phases(profile.PoolRunner(pools(2 * dp)), args)
+    assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
+    assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
+    assert list(results["modes"]) == ["baseline", "tp", "tp_overlap", "hf_dtensor"]
+    for mode, d in results["modes"].items():
+        if mode != "baseline":
+            assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+            assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, \
+                (mode, d["grad_norm_rel_err_vs_baseline"])
+    assert {"tp_overlap/hf_dtensor", "tp/hf_dtensor"} <= set(results["ratios"]), results["ratios"]
