@@ -188,6 +188,18 @@ def test_saved_activation_bytes_counts_each_storage_once_and_skips_parameters():
     assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
 
 
+def test_saved_activation_bytes_skips_parameters_swapped_in_after_it_started():
+    """FSDP2 replaces a block's Parameters by their unsharded versions for its forward: those
+    are not the model's parameters when the meter starts, and still no activations."""
+    lin = nn.Linear(8, 4, bias=False)
+    x = torch.randn(5, 8, requires_grad=True)  # so that the weight is saved, for x's gradient
+    with SavedActivationBytes(lin) as meter:
+        lin.weight = nn.Parameter(lin.weight.detach().clone())  # a new storage, as FSDP2's
+        y = lin(x).exp()
+        (y * y).sum().backward()
+    assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
+
+
 def test_profile_runs_under_torchrun(tmp_path):
     """Started the standard way (env:// rendezvous, one process per rank, no WorkerPool)."""
     out = tmp_path / "out"
