@@ -75,7 +75,8 @@ def build_parser():
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for grouped-query "
                    "attention (default: --heads, i.e. multi-head)")
     p.add_argument("--tie-embeddings", action="store_true",
-                   help="one weight for the embedding and the LM head (not with dtensor)")
+                   help="one weight for the embedding and the LM head (not with dtensor or "
+                        "hf_dtensor)")
     p.add_argument("--ffn", type=int, default=m["ffn_hidden_size"],
                    help=f"MLP hidden size (default {m['ffn_hidden_size']})")
     p.add_argument("--vocab", type=int, default=m["vocab_size"], help=f"vocabulary size, at "
@@ -184,15 +185,8 @@ def parse_args(argv, env=os.environ):
                     f"sequence length {args.seq} is not divisible by the TP size {args.tp}: the "
                     f"dtensor mode needs equal sequence shards (the hand-written modes pad); "
                     f"use --seq {args.seq + (-args.seq) % args.tp} or leave dtensor out of --modes")
-        if "hf_dtensor" in args.modes:  # the sizes its LlamaConfig will have (hf_llama.py)
-            if importlib.util.find_spec("transformers") is None:
-                raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
-                                 "requirements.txt), or leave it out of --modes")
-            c = args.config
-            dtensor_tp.check_hf_plan(types.SimpleNamespace(
-                tie_word_embeddings=c.tie_embeddings, num_attention_heads=c.num_heads,
-                num_key_value_heads=c.num_kv_heads, intermediate_size=c.ffn_hidden_size,
-                vocab_size=c.vocab_size, hidden_size=c.hidden_size), args.tp)
+        if "hf_dtensor" in args.modes:
+            _check_hf_dtensor(args.config, args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
@@ -201,13 +195,26 @@ def parse_args(argv, env=os.environ):
         _check_int("threads", args.threads, 1, 1024)
     _check_out(args.out)
     args.spec = ProfileSpec(
-        config=args.config, model=args.model, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup, batch=args.batch,
-        seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
+        config=args.config, model=args.model, tp=args.tp, dp=args.dp, steps=args.steps,
+        warmup=args.warmup, batch=args.batch, seq=args.seq, lr=args.lr, dtype=args.dtype,
+        seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
         timeline_iters=args.timeline_iters,
         trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
+
+
+def _check_hf_dtensor(config, tp):
+    """What the hf_dtensor mode cannot run, as a ValueError, without building the model: the
+    plan's checks on the sizes its LlamaConfig will have (hf_llama.py)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
+                         "requirements.txt), or leave it out of --modes")
+    dtensor_tp.check_hf_plan(types.SimpleNamespace(
+        tie_word_embeddings=config.tie_embeddings, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, intermediate_size=config.ffn_hidden_size,
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size), tp)
 
 
 def _other_model_hint(bad):
@@ -392,8 +399,9 @@ def _meta(args, threads, load):
 
 def _config(args):
     model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
-    run = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
-           "lr": args.lr, "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
+    run = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
+           "seq": args.seq, "lr": args.lr,
+           "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
                         f"linearly over the first {train.LR_WARMUP_STEPS} steps",
            "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
            "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
