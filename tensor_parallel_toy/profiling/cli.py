@@ -13,7 +13,9 @@ behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
     results/trace_<mode>_rank<r>.json   with --trace: torch.profiler Chrome traces (Perfetto)
 """
 import argparse
+import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,7 @@ from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env,
 from . import bench_overlap, link, plots, report, sweep, timeline, train
 from .data import CORPUS_VOCAB
 from .output import write_text
-from .spec import DTYPES, MODEL_DEFAULTS, MODES, ProfileSpec
+from .spec import DTYPES, MODEL_DEFAULTS, MODELS, MODES, ProfileSpec
 
 PROG = "python -m tensor_parallel_toy profile"
 PHASE_TIMEOUT_S = 3600.0
@@ -54,7 +57,10 @@ def build_parser():
                 "overlap) and PyTorch DTensor TP side by side on the same data and weights; "
                 "benchmark the overlap per op; draw the timeline.")
     p.add_argument("--tp", type=int, default=None, help=f"tensor-parallel size (default {d.tp}; "
-                   f"under torchrun the world size)")
+                   f"under torchrun the world size / --dp)")
+    p.add_argument("--dp", type=int, default=d.dp, help=f"data-parallel size: above 1 the TP "
+                   f"modes run 2-D, FSDP2 over dp copies of the TP model, dp x tp ranks "
+                   f"(default {d.dp})")
     p.add_argument("--steps", type=int, default=d.steps,
                    help=f"training steps per mode (default {d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup,
@@ -72,7 +78,8 @@ def build_parser():
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for grouped-query "
                    "attention (default: --heads, i.e. multi-head)")
     p.add_argument("--tie-embeddings", action="store_true",
-                   help="one weight for the embedding and the LM head (not with dtensor)")
+                   help="one weight for the embedding and the LM head (not with dtensor or "
+                        "hf_dtensor)")
     p.add_argument("--ffn", type=int, default=m["ffn_hidden_size"],
                    help=f"MLP hidden size (default {m['ffn_hidden_size']})")
     p.add_argument("--vocab", type=int, default=m["vocab_size"], help=f"vocabulary size, at "
@@ -83,10 +90,13 @@ def build_parser():
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: one GPU "
                    "per rank when there are enough, else CPU)")
     p.add_argument("--out", default="results", help="output folder (default results/)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated subset of {','.join(MODES)} (default all)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per TP rank "
-                   "(default: CPU cores / TP size)")
+    p.add_argument("--model", default=d.model, help=f"{' or '.join(MODELS)}: the network, "
+                   f"with a GELU MLP or Llama's SwiGLU MLP (default {d.model})")
+    p.add_argument("--modes", default=None, help="comma-separated subset of the model's modes, "
+                   + "; ".join(f"{k}: {','.join(v['modes'])}" for k, v in MODELS.items())
+                   + " (default all of them)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank "
+                   "(default: CPU cores / ranks)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"weights and data seed (default {d.seed})")
     p.add_argument("--bench-iters", type=int, default=d.bench_iters, help=f"timed rounds per op "
@@ -123,14 +133,20 @@ def _check_int(name, value, low, high=None):
 def parse_args(argv, env=os.environ):
     """Parse and check every flag; raise UsageError (one line) before anything starts."""
     args = build_parser().parse_args(argv)
+    _check_int("dp", args.dp, 1, 64)
     if _under_torchrun(env):
         world = int(env["WORLD_SIZE"])
-        if args.tp is not None and args.tp != world:
-            raise UsageError(f"--tp {args.tp} does not match torchrun's world size {world}; "
-                             f"the TP group is the whole world here")
-        args.tp = world
+        tp = world // args.dp if args.tp is None else args.tp
+        if tp * args.dp != world:
+            raise UsageError(f"--dp {args.dp} x --tp {tp} = {tp * args.dp} ranks does not match "
+                             f"torchrun's world size {world}; the world is the dp x tp grid")
+        args.tp = tp
     args.tp = ProfileSpec.tp if args.tp is None else args.tp
     _check_int("tp", args.tp, 2, 64)
+    if args.batch % args.dp:
+        raise UsageError(f"--batch {args.batch} is not divisible by --dp {args.dp}: each "
+                         f"data-parallel rank trains on batch / dp rows; use --batch "
+                         f"{args.batch + (-args.batch) % args.dp}")
     _check_int("steps", args.steps, 2, 100_000)
     if args.warmup < 1:
         raise UsageError(f"--warmup {args.warmup}: must be at least 1 (the first step allocates "
@@ -152,17 +168,22 @@ def parse_args(argv, env=os.environ):
     if args.vocab < CORPUS_VOCAB:
         raise UsageError(f"--vocab {args.vocab}: the corpus is ASCII text, token ids go up to "
                          f"{CORPUS_VOCAB - 1}; use --vocab {CORPUS_VOCAB} or more")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    if args.model not in MODELS:
+        raise UsageError(f"--model {args.model!r}: valid: {', '.join(MODELS)}")
+    valid = MODELS[args.model]["modes"]
+    modes = [m.strip() for m in (args.modes or ",".join(valid)).split(",") if m.strip()]
+    bad = [m for m in modes if m not in valid]
     if not modes or bad:
-        raise UsageError(f"--modes {args.modes!r}: valid modes are {', '.join(MODES)}")
+        raise UsageError(f"--modes {args.modes!r}: valid modes with --model {args.model} are "
+                         f"{', '.join(valid)}" + _other_model_hint(bad))
     args.modes = [m for m in MODES if m in modes]  # always in the canonical order
     try:
         args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                   num_layers=args.layers, num_heads=args.heads,
                                   ffn_hidden_size=args.ffn, max_seq_len=args.seq,
                                   num_kv_heads=args.kv_heads,
-                                  tie_embeddings=args.tie_embeddings)
+                                  tie_embeddings=args.tie_embeddings,
+                                  mlp=MODELS[args.model]["mlp"])
         args.config.check_tp_size(args.tp)
         check_seq_len(args.seq, args.tp, args.seq)
         if "dtensor" in args.modes:
@@ -172,22 +193,43 @@ def parse_args(argv, env=os.environ):
                     f"sequence length {args.seq} is not divisible by the TP size {args.tp}: the "
                     f"dtensor mode needs equal sequence shards (the hand-written modes pad); "
                     f"use --seq {args.seq + (-args.seq) % args.tp} or leave dtensor out of --modes")
+        if "hf_dtensor" in args.modes:
+            _check_hf_dtensor(args.config, args.tp)
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
-    args.link_rates = _check_link(args.link, args.device, env)
-    args.backend = _check_device(args.device, args.tp, env)
+    args.link_rates = _check_link(args.link, args.device, args.dp, env)
+    args.backend = _check_device(args.device, args.tp * args.dp, env)
     if args.threads is not None:
         _check_int("threads", args.threads, 1, 1024)
     _check_out(args.out)
     args.spec = ProfileSpec(
-        config=args.config, tp=args.tp, steps=args.steps, warmup=args.warmup, batch=args.batch,
-        seq=args.seq, lr=args.lr, dtype=args.dtype, seed=args.seed, modes=tuple(args.modes),
+        config=args.config, model=args.model, tp=args.tp, dp=args.dp, steps=args.steps,
+        warmup=args.warmup, batch=args.batch, seq=args.seq, lr=args.lr, dtype=args.dtype,
+        seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
         timeline_iters=args.timeline_iters,
         trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
+
+
+def _check_hf_dtensor(config, tp):
+    """What the hf_dtensor mode cannot run, as a ValueError, without building the model: the
+    plan's checks on the sizes its LlamaConfig will have (hf_llama.py)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
+                         "requirements.txt), or leave it out of --modes")
+    dtensor_tp.check_hf_plan(types.SimpleNamespace(
+        tie_word_embeddings=config.tie_embeddings, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, intermediate_size=config.ffn_hidden_size,
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size), tp)
+
+
+def _other_model_hint(bad):
+    """' (mode m needs --model k)' for a mode that another --model runs, else ''."""
+    hints = [f"{m} needs --model {k}" for m in bad for k, v in MODELS.items() if m in v["modes"]]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _parse_bench_shape(text, tp):
@@ -206,7 +248,7 @@ def _parse_bench_shape(text, tp):
     return shape
 
 
-def _check_link(text, device, env):
+def _check_link(text, device, dp, env):
     if text is None:
         return None
     if _under_torchrun(env):
@@ -215,18 +257,21 @@ def _check_link(text, device, env):
     if device == "cuda":
         raise UsageError("--link emulates a network between CPU hosts (gloo); it cannot be "
                          "combined with --device cuda")
+    if dp > 1:
+        raise UsageError(f"--link with --dp {dp}: the emulated link runs one TP group (one "
+                         f"rank per namespace); leave out --dp")
     try:
         return link.parse_rates(text)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def _check_device(device, tp, env):
+def _check_device(device, ranks, env):
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r}: valid: auto, cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
-    local = int(env.get("LOCAL_WORLD_SIZE", tp)) if _under_torchrun(env) else tp
+    local = int(env.get("LOCAL_WORLD_SIZE", ranks)) if _under_torchrun(env) else ranks
     try:
         return choose_backend(local, device)
     except ValueError as e:
@@ -323,6 +368,11 @@ def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     spec = args.spec
     threads = runner.run(_threads, spec.threads)
+    if spec.dp > 1 and (spec.bench_iters > 0 or spec.timeline_iters > 0):
+        _say(runner, f"skipping the per-op benchmark and the timeline with --dp {spec.dp}: they "
+                     f"time single TP ops and one block, which data parallelism does not change; "
+                     f"run them with --dp 1")
+        spec = dataclasses.replace(spec, bench_iters=0, timeline_iters=0)
     phases = 1 + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
     tokens = spec.batch * spec.seq
     load, k = {}, 1
@@ -365,7 +415,8 @@ def _meta(args, threads, load):
     return {"torch": torch.__version__, "python": platform.python_version(),
             "device": "cuda" if args.backend == "nccl" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
-            "backend": args.backend, "world_size": args.tp, "tp": args.tp,
+            "backend": args.backend, "world_size": args.tp * args.dp, "tp": args.tp,
+            "dp": args.dp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
             "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,
             "launcher": ("--link: one rank per network namespace" if link.LINK_ENV in os.environ
@@ -378,8 +429,9 @@ def _meta(args, threads, load):
 
 def _config(args):
     model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
-    run = {"steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq,
-           "lr": args.lr, "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
+    run = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
+           "seq": args.seq, "lr": args.lr,
+           "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
                         f"linearly over the first {train.LR_WARMUP_STEPS} steps",
            "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
            "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
@@ -456,8 +508,9 @@ def main(argv=None):
         if runner.rank != 0:
             return 0
     else:
-        print(f"spawning {args.tp} ranks ({args.backend})...", flush=True)
-        with WorkerPool(args.tp, backend=args.backend) as pool:
+        ranks = args.tp * args.dp
+        print(f"spawning {ranks} ranks ({args.backend})...", flush=True)
+        with WorkerPool(ranks, backend=args.backend) as pool:
             results = run_phases(PoolRunner(pool, args.timeout), args)
     results["meta"]["runtime_s"] = time.perf_counter() - start
     summary = write_outputs(results, args.out)

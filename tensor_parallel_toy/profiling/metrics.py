@@ -31,6 +31,13 @@ def _storage_key(t):
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
+def _is_parameter(t):
+    """A Parameter or a view of one (a transposed weight). FSDP2 swaps in the unsharded
+    Parameters for the forward and frees their storage after it, so they are not among the
+    model's parameters when the meter starts, yet they are no activations."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class SavedActivationBytes:
     """Context manager: bytes of the tensors saved for backward inside it, deduplicated by
     storage, parameters excluded. Read `.bytes` (total) and `.count` (storages) afterwards."""
@@ -42,7 +49,7 @@ class SavedActivationBytes:
 
     def _pack(self, tensor):
         key = _storage_key(tensor)
-        if key not in self._params and key not in self._seen:
+        if key not in self._params and key not in self._seen and not _is_parameter(tensor):
             self._seen[key] = local_tensor(tensor).untyped_storage().nbytes()
         return tensor  # keep the tensor itself: measuring must not change what is stored
 

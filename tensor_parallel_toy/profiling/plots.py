@@ -13,6 +13,7 @@ STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the
     "tp": ("#1f77b4", "--", "o"),
     "tp_overlap": ("#ff7f0e", ":", "s"),
     "dtensor": ("#2ca02c", "-.", "^"),
+    "hf_dtensor": ("#d62728", "-.", "v"),
 }
 SPAN_COLORS = {"gemm": "#1f77b4", "attention": "#9467bd", "other": "#c8c8c8",
                "post": "#8c564b", "wait": "#d62728", "ring": "#ff7f0e",

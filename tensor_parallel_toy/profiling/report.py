@@ -16,6 +16,7 @@ TARGETS = {
     "overlap_vs_dtensor": 0.8,
 }
 RATIOS = (("tp_overlap", "tp"), ("tp_overlap", "dtensor"), ("tp", "dtensor"),
+          ("tp_overlap", "hf_dtensor"), ("tp", "hf_dtensor"),
           ("tp", "baseline"), ("tp_overlap", "baseline"))
 
 
@@ -209,13 +210,16 @@ def _fmt_ms(seconds):
 def summary_text(results):
     meta, run = results["meta"], results["config"]["run"]
     model = results["config"]["model"]
-    busy = meta["tp"] * meta["threads_per_rank"]
+    busy = meta["world_size"] * meta["threads_per_rank"]
     crowded = meta["device"] == "cpu" and busy > (meta["cpu_count"] or busy)
+    grid = (f"DP={meta['dp']} (FSDP2) x TP={meta['tp']}" if meta.get("dp", 1) > 1
+            else f"TP={meta['tp']}")
     lines = [
-        f"tensor_parallel_toy profile: TP={meta['tp']} over {meta['backend']} on "
+        f"tensor_parallel_toy profile: {grid} over {meta['backend']} on "
         f"{meta['device']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores, "
         f"{meta['threads_per_rank']} thread(s) per TP rank, baseline {meta['baseline_threads']}",
-        f"model: hidden {model['hidden_size']}, {model['num_layers']} layers, "
+        f"model: {'Llama (SwiGLU MLP), ' if run.get('model') == 'llama' else ''}"
+        f"hidden {model['hidden_size']}, {model['num_layers']} layers, "
         f"{model['num_heads']} heads, ffn {model['ffn_hidden_size']}, vocab {model['vocab_size']}"
         f"; batch {run['batch']} x seq {run['seq']} = {run['batch'] * run['seq']} tokens/step, "
         f"{run['steps']} steps ({run['warmup']} warm-up), AdamW lr {run['lr']:g}, {run['dtype']}",
@@ -226,7 +230,7 @@ def summary_text(results):
         lines.append("the baseline mode ran on rank 0 alone, as always: it has no communication, "
                      "so the link does not change it")
     if crowded:
-        lines.append(f"NOTE: {meta['tp']} ranks x {meta['threads_per_rank']} thread(s) on "
+        lines.append(f"NOTE: {meta['world_size']} ranks x {meta['threads_per_rank']} thread(s) on "
                      f"{meta['cpu_count']} cores: the ranks take turns on the cores, so the "
                      f"timings say little about overlap")
     load = {k: v for k, v in (meta.get("external_load_cores") or {}).items() if v is not None}

@@ -12,7 +12,12 @@ import torch
 
 from ..config import ModelConfig
 
-MODES = ("baseline", "tp", "tp_overlap", "dtensor")
+MODES = ("baseline", "tp", "tp_overlap", "dtensor", "hf_dtensor")  # every mode, in run order
+# --model: the MLP of the profile's network, and the modes that can run it (default: all of them).
+# PyTorch's plan for our Transformer names the GELU MLP; on the Llama network it runs on a
+# Hugging Face LlamaForCausalLM instead (hf_dtensor), holding the same weights.
+MODELS = {"default": {"mlp": "gelu", "modes": ("baseline", "tp", "tp_overlap", "dtensor")},
+          "llama": {"mlp": "swiglu", "modes": ("baseline", "tp", "tp_overlap", "hf_dtensor")}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The profile's model, larger than ModelConfig's defaults: big enough for the GEMMs to matter.
@@ -25,6 +30,7 @@ SEQ = 128  # the sequence length, which is also the model's max_seq_len
 class ProfileSpec:
     config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)
     tp: int = 2
+    dp: int = 1  # data-parallel size: dp > 1 makes the TP modes 2-D, dp x tp ranks (train.py)
     steps: int = 60  # training steps per mode
     warmup: int = 5  # first steps left out of the timing statistics (at least 1)
     batch: int = 8  # global batch size
@@ -32,8 +38,9 @@ class ProfileSpec:
     lr: float = 1e-3  # AdamW, ramped over the first train.LR_WARMUP_STEPS steps
     dtype: str = "fp32"  # a key of DTYPES
     seed: int = 0  # weights and data
-    modes: Tuple[str, ...] = MODES
-    threads: Optional[int] = None  # torch threads per TP rank; None: CPU cores / TP size
+    model: str = "default"  # a key of MODELS
+    modes: Tuple[str, ...] = MODELS["default"]["modes"]
+    threads: Optional[int] = None  # torch threads per rank; None: CPU cores / ranks
     baseline_threads: int = os.cpu_count() or 1  # the baseline runs alone: every core
     bench_iters: int = 60  # timed rounds per op in the overlap benchmark; 0 skips it
     bench_warmup: int = 3  # untimed rounds before them

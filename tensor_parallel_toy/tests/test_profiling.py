@@ -17,7 +17,7 @@ from tensor_parallel_toy.profiling import cli as profile
 from tensor_parallel_toy.profiling import data
 from tensor_parallel_toy.profiling.bench_overlap import OPS
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
-from tensor_parallel_toy.profiling.spec import MODES
+from tensor_parallel_toy.profiling.spec import MODELS, MODES
 from tensor_parallel_toy.profiling.train import interleaved_order
 
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
@@ -41,7 +41,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
         assert key in saved, f"results.json lacks {key!r}"
     for key in ("torch", "device", "backend", "world_size", "tp", "threads_per_rank"):
         assert key in saved["meta"], f"meta lacks {key!r}"
-    assert list(saved["modes"]) == list(MODES)
+    assert list(saved["modes"]) == list(MODELS["default"]["modes"])
     for mode, d in saved["modes"].items():
         for key in ("loss", "grad_norm", "step_time_s", "step_time", "tokens_per_s",
                     "memory_per_rank"):
@@ -108,6 +108,15 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--steps", "-5"], ["--steps -5"]),
     (["--batch", "0"], ["--batch 0", "at least 1"]),
     (["--seq", "-1"], ["--seq -1", "at least 1"]),
+    (["--dp", "0"], ["--dp 0", "between 1 and 64"]),
+    (["--dp", "2", "--batch", "3"], ["--batch 3", "--dp 2", "--batch 4"]),
+    (["--dp", "2", "--tp", "3"], ["hidden_size=256", "size 3"]),
+    (["--model", "gpt"], ["--model 'gpt'", "default, llama"]),
+    (["--modes", "tp,hf_dtensor"], ["baseline, tp, tp_overlap, dtensor",
+                                    "hf_dtensor needs --model llama"]),
+    (["--model", "llama", "--modes", "dtensor"], ["hf_dtensor", "dtensor needs --model default"]),
+    (["--model", "llama", "--kv-heads", "1"], ["num_key_value_heads=1", "size 2"]),
+    (["--model", "llama", "--tie-embeddings"], ["tie_word_embeddings=True"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
@@ -178,6 +187,18 @@ def test_saved_activation_bytes_counts_each_storage_once_and_skips_parameters():
     with SavedActivationBytes(lin) as meter:
         y = lin(x).exp()  # linear saves x (160 B) and a view of its weight (a parameter)
         (y * y).sum().backward()  # exp saves y (80 B); y * y saves y twice: one storage
+    assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
+
+
+def test_saved_activation_bytes_skips_parameters_swapped_in_after_it_started():
+    """FSDP2 replaces a block's Parameters by their unsharded versions for its forward: those
+    are not the model's parameters when the meter starts, and still no activations."""
+    lin = nn.Linear(8, 4, bias=False)
+    x = torch.randn(5, 8, requires_grad=True)  # so that the weight is saved, for x's gradient
+    with SavedActivationBytes(lin) as meter:
+        lin.weight = nn.Parameter(lin.weight.detach().clone())  # a new storage, as FSDP2's
+        y = lin(x).exp()
+        (y * y).sum().backward()
     assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
 
 
@@ -273,3 +294,69 @@ def test_timeline_sees_every_collective_of_the_model_vocabulary_and_norms_includ
         expected = {"reduce-scatter": 4 * L + 2, "all-gather": 6 * L + 4, "all-reduce": 2 * L + 3}
     for rank, got in enumerate(counts):
         assert got == expected, f"rank {rank}: recorded {got}, the model makes {expected}"
+
+
+def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp_path):
+    """--dp 2 --tp 2 on the shared 4-rank pool: tp, tp_overlap and dtensor wrapped by FSDP2
+    over two data-parallel halves of the batch, the baseline on the whole batch on one rank;
+    the loss and gradient norm of every step agree, and the run is recorded as 2 x 2."""
+    flags = [*TINY, "--dp", "2", "--tp", "2", "--out", str(tmp_path)]  # bench, timeline skipped
+    args = profile.parse_args(flags, env={})
+    args.argv = flags
+    results = profile.run_phases(profile.PoolRunner(pools(4)), args)
+    meta = results["meta"]
+    assert (meta["dp"], meta["tp"], meta["world_size"]) == (2, 2, 4), meta
+    assert "overlap_benchmark" not in results and "timeline" not in results, list(results)
+    assert list(results["modes"]) == list(MODELS["default"]["modes"])
+    for mode, d in results["modes"].items():
+        if mode == "baseline":
+            assert len(d["memory_per_rank"]) == 1, d["memory_per_rank"]
+            continue
+        assert len(d["memory_per_rank"]) == 4, (mode, d["memory_per_rank"])
+        assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+        assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, \
+            (mode, d["grad_norm_rel_err_vs_baseline"])
+        assert d["loss_spread_across_ranks"] <= 1e-6 * abs(d["loss"][0]), (mode, d)
+    # FSDP2 keeps 1/dp of each TP shard of the parameters on a rank.
+    param_bytes = {m: results["modes"][m]["memory_per_rank"][0]["param_bytes"]
+                   for m in ("baseline", "tp")}
+    assert param_bytes["tp"] * 4 <= param_bytes["baseline"] * 1.05, param_bytes
+    assert "DP=2 (FSDP2) x TP=2" in profile.report.summary_text(
+        {**results, "targets": []}), "summary header"
+
+
+@pytest.mark.parametrize("flags, world, words", [
+    (["--dp", "3"], 4, ["--dp 3 x --tp 1 = 3 ranks", "world size 4"]),
+    (["--dp", "2", "--tp", "4"], 4, ["--dp 2 x --tp 4 = 8 ranks", "world size 4"]),
+    (["--tp", "2"], 4, ["--dp 1 x --tp 2 = 2 ranks", "world size 4"]),
+])
+def test_under_torchrun_dp_times_tp_must_be_the_world_size(flags, world, words, tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": str(world)}
+    with pytest.raises(profile.UsageError) as info:
+        profile.parse_args([*flags, "--out", str(tmp_path)], env=env)
+    assert all(w in str(info.value) for w in words), str(info.value)
+    args = profile.parse_args(["--dp", "2", "--out", str(tmp_path)], env=env)
+    assert (args.spec.dp, args.spec.tp) == (2, 2), args.spec
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["tp2", "dp2xtp2"])
+def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_same_weights(
+        pools, tmp_path, dp):
+    """--model llama: our SwiGLU Transformer in every mode, and hf_dtensor, a Hugging Face
+    LlamaForCausalLM holding the baseline's converted weights under PyTorch's plan (padded:
+    seq 15 is odd; grouped-query attention); each step's loss and grad norm equal the
+    baseline's. With --dp 2 every TP mode is FSDP2-wrapped over two halves of the batch."""
+    flags = [*TINY, "--model", "llama", "--seq", "15", "--kv-heads", "2", "--dp", str(dp),
+             "--bench-iters", "0", "--timeline-iters", "0", "--out", str(tmp_path)]
+    args = profile.parse_args(flags, env={})
+    args.argv = flags
+    results = profile.run_phases(profile.PoolRunner(pools(2 * dp)), args)
+    assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
+    assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
+    assert list(results["modes"]) == ["baseline", "tp", "tp_overlap", "hf_dtensor"]
+    for mode, d in results["modes"].items():
+        if mode != "baseline":
+            assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
+            assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, \
+                (mode, d["grad_norm_rel_err_vs_baseline"])
+    assert {"tp_overlap/hf_dtensor", "tp/hf_dtensor"} <= set(results["ratios"]), results["ratios"]
