@@ -3,7 +3,8 @@ side, benchmark the overlap op by op, record a timeline, and write it all to a r
 
 Every flag is checked before any process starts: a bad value is one line on stderr and exit
 status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
-each rank runs the same phases and rank 0 gathers the numbers and writes the files. With
+each rank runs the same phases (phases.py) and rank 0 gathers the numbers and writes the
+files. With
 `--link RATE` (Linux, root) each rank runs that torchrun path in its own network namespace
 behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
 
@@ -13,33 +14,25 @@ behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
     results/trace_<mode>_rank<r>.json   with --trace: torch.profiler Chrome traces (Perfetto)
 """
 import argparse
-import dataclasses
-import datetime
 import importlib.util
-import json
 import os
-import platform
-import resource
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import types
 
 import torch
-import torch.distributed as dist
 
 from .. import dtensor_tp
 from ..config import ModelConfig, check_seq_len
 from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
-from . import bench_overlap, link, plots, report, sweep, timeline, train
+from . import link, report, sweep
 from .data import CORPUS_VOCAB
-from .output import write_text
+from .phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases, under_torchrun,
+                     write_outputs)
 from .spec import DTYPES, MODEL_DEFAULTS, MODELS, MODES, ProfileSpec
 
 PROG = "python -m tensor_parallel_toy profile"
-PHASE_TIMEOUT_S = 3600.0
 
 
 class UsageError(Exception):
@@ -120,10 +113,6 @@ def build_parser():
     return p
 
 
-def _under_torchrun(env):
-    return "RANK" in env and "WORLD_SIZE" in env
-
-
 def _check_int(name, value, low, high=None):
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
@@ -134,7 +123,7 @@ def parse_args(argv, env=os.environ):
     """Parse and check every flag; raise UsageError (one line) before anything starts."""
     args = build_parser().parse_args(argv)
     _check_int("dp", args.dp, 1, 64)
-    if _under_torchrun(env):
+    if under_torchrun(env):
         world = int(env["WORLD_SIZE"])
         tp = world // args.dp if args.tp is None else args.tp
         if tp * args.dp != world:
@@ -251,7 +240,7 @@ def _parse_bench_shape(text, tp):
 def _check_link(text, device, dp, env):
     if text is None:
         return None
-    if _under_torchrun(env):
+    if under_torchrun(env):
         raise UsageError("--link starts one rank per network namespace itself; run it as a "
                          "plain command, not under torchrun")
     if device == "cuda":
@@ -271,7 +260,7 @@ def _check_device(device, ranks, env):
         raise UsageError(f"--device {device!r}: valid: auto, cpu, cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available; use --device cpu")
-    local = int(env.get("LOCAL_WORLD_SIZE", ranks)) if _under_torchrun(env) else ranks
+    local = int(env.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun(env) else ranks
     try:
         return choose_backend(local, device)
     except ValueError as e:
@@ -289,200 +278,6 @@ def _check_out(out):
         raise UsageError(f"--out {out!r}: the folder is not writable")
 
 
-# ----------------------------------------------------------------------------------------------
-# Running the phases on the ranks
-# ----------------------------------------------------------------------------------------------
-def _cpu_seconds():
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
-    return usage.ru_utime + usage.ru_stime
-
-
-def _threads(n=None):
-    if n is not None:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
-def _busy_cpu_seconds():
-    """CPU seconds spent by the whole machine (Linux /proc/stat), or None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-class PoolRunner:
-    """Runs a phase on every rank of a local `WorkerPool`; the results come back here."""
-
-    def __init__(self, pool, timeout_s=PHASE_TIMEOUT_S):
-        self.pool, self.rank, self.timeout_s = pool, 0, timeout_s
-
-    def run(self, fn, *args):
-        return self.pool.run(fn, *args, timeout_s=self.timeout_s)
-
-
-class TorchrunRunner:
-    """Every rank runs the phase; the per-rank results are gathered on every rank."""
-
-    def __init__(self):
-        self.rank = dist.get_rank()
-
-    def run(self, fn, *args):
-        mine = fn(*args)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        return gathered
-
-
-def _say(runner, text):
-    if runner.rank == 0:
-        print(text, flush=True)
-
-
-class _LoadMeter:
-    """CPU used by other work on this machine during a phase, in cores: the machine's busy
-    time (/proc/stat) minus what our own processes used. Local pool on Linux only."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.enabled = isinstance(runner, PoolRunner) and _busy_cpu_seconds() is not None
-
-    def __enter__(self):
-        if self.enabled:
-            self.ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds()
-            self.busy, self.wall = _busy_cpu_seconds(), time.perf_counter()
-        self.cores = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled and exc[0] is None:
-            busy, wall = _busy_cpu_seconds(), time.perf_counter()
-            ours = sum(self.runner.run(_cpu_seconds)) + _cpu_seconds() - self.ours
-            self.cores = max(0.0, (busy - self.busy - ours) / (wall - self.wall))
-
-
-def run_phases(runner, args):
-    """All phases; returns the results dict (complete on rank 0)."""
-    spec = args.spec
-    threads = runner.run(_threads, spec.threads)
-    if spec.dp > 1 and (spec.bench_iters > 0 or spec.timeline_iters > 0):
-        _say(runner, f"skipping the per-op benchmark and the timeline with --dp {spec.dp}: they "
-                     f"time single TP ops and one block, which data parallelism does not change; "
-                     f"run them with --dp 1")
-        spec = dataclasses.replace(spec, bench_iters=0, timeline_iters=0)
-    phases = 1 + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
-    tokens = spec.batch * spec.seq
-    load, k = {}, 1
-    _say(runner, f"[1/{phases}] {', '.join(spec.modes)}: {spec.steps} steps each, interleaved "
-                 f"step by step" + (" (baseline on rank 0 alone)" if "baseline" in spec.modes
-                                    else ""))
-    with _LoadMeter(runner) as meter:
-        per_rank = runner.run(train.run_modes, spec.modes, spec)
-    modes = {mode: report.combine_mode([r.get(mode) for r in per_rank], spec.warmup, tokens)
-             for mode in spec.modes}
-    load["modes"] = meter.cores
-    report.add_baseline_errors(modes)
-    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes,
-               "ratios": report.step_time_ratios(modes, spec.warmup)}
-    if spec.bench_iters > 0:
-        k += 1
-        _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({spec.bench_iters} rounds)")
-        with _LoadMeter(runner) as meter:
-            bench = bench_overlap.summarize(runner.run(bench_overlap.run, spec))
-        load["overlap_benchmark"] = meter.cores
-        results["overlap_benchmark"] = bench
-        sh = bench["shape"]
-        _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} f={sh['f']} "
-                     f"p={sh['p']}" + (" (f calibrated)" if sh["calibrated"] else ""))
-    if spec.timeline_iters > 0:
-        k += 1
-        _say(runner, f"[{k}/{phases}] timeline of one block ({spec.timeline_iters} recordings "
-                     f"per mode)")
-        with _LoadMeter(runner) as meter:
-            per_rank = runner.run(timeline.record, spec)
-        load["timeline"] = meter.cores
-        spans = {mode: [r[mode] for r in per_rank] for mode in per_rank[0]}
-        results["timeline"] = {"iterations": spec.timeline_iters,
-                               "summary": timeline.summarize(per_rank), "spans": spans}
-    results["targets"] = report.evaluate_targets(results)
-    return results
-
-
-def _meta(args, threads, load):
-    return {"torch": torch.__version__, "python": platform.python_version(),
-            "device": "cuda" if args.backend == "nccl" else "cpu",
-            "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
-            "backend": args.backend, "world_size": args.tp * args.dp, "tp": args.tp,
-            "dp": args.dp,
-            "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
-            "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,
-            "launcher": ("--link: one rank per network namespace" if link.LINK_ENV in os.environ
-                         else "torchrun" if _under_torchrun(os.environ) else "WorkerPool"),
-            "link": (json.loads(os.environ[link.LINK_ENV]) if link.LINK_ENV in os.environ
-                     else None),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}
-
-
-def _config(args):
-    model = {k: getattr(args.config, k) for k in args.config.__dataclass_fields__}
-    run = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "batch": args.batch,
-           "seq": args.seq, "lr": args.lr,
-           "optimizer": f"AdamW(betas=(0.9, 0.95), weight_decay=0.1), lr ramped "
-                        f"linearly over the first {train.LR_WARMUP_STEPS} steps",
-           "dtype": args.dtype, "seed": args.seed, "modes": args.modes, "trace": args.trace,
-           "data": "toy-grammar ASCII corpus (data.py), same global batch for every mode"}
-    return {"model": model, "run": run}
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------------------------
-def write_outputs(results, out):
-    """Render every file into a staging folder inside `out`, then move each into place,
-    results.json last. An interrupted run (or a failing plot) leaves the previous run's files
-    as they were, and each move is an atomic rename: no reader sees a half-written file."""
-    stage = tempfile.mkdtemp(dir=out, prefix=".staging-")
-    try:
-        summary = _render_outputs(results, stage)
-        staged = sorted(os.listdir(stage), key=lambda name: name == "results.json")
-        for name in staged:
-            os.replace(os.path.join(stage, name), os.path.join(out, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return summary
-
-
-def _render_outputs(results, out):
-    files = {"results.json": None, "summary.txt": None, "loss.png": None,
-             "grad_norm.png": None, "step_time.png": None, "memory.png": None}
-    modes = results["modes"]
-    plots.plot_losses(modes, os.path.join(out, "loss.png"))
-    plots.plot_grad_norms(modes, os.path.join(out, "grad_norm.png"))
-    network = report.link_label(results["meta"])
-    plots.plot_step_times(modes, os.path.join(out, "step_time.png"), network)
-    plots.plot_memory(modes, os.path.join(out, "memory.png"))
-    if "overlap_benchmark" in results:
-        plots.plot_overlap(results["overlap_benchmark"], os.path.join(out, "overlap.png"),
-                           network)
-        files["overlap.png"] = None
-    if "timeline" in results:
-        plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"),
-                            "", network)
-        files["timeline.png"] = None
-    if results["config"]["run"].get("trace"):
-        files.update({f"trace_{m}_rank{r}.json": None for m in results["modes"]
-                      if m != "baseline" for r in range(results["meta"]["world_size"])})
-    results["files"] = sorted(files)
-    summary = report.summary_text(results)
-    write_text(os.path.join(out, "summary.txt"), summary)
-    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
-    return summary
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -494,7 +289,7 @@ def main(argv=None):
     if args.link is not None:
         return _run_on_link(args, argv)
     start = time.perf_counter()
-    if _under_torchrun(os.environ):
+    if under_torchrun(os.environ):
         try:  # the first collective: where a wrong address or network interface shows
             init_from_env(args.backend, timeout_s=args.timeout)
         except LaunchError as e:

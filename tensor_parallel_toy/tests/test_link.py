@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tensor_parallel_toy.profiling import cli as profile
+from tensor_parallel_toy.profiling import phases
 from tensor_parallel_toy.profiling import link, sweep
 
 TINY = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
@@ -149,7 +150,7 @@ def test_two_ranks_over_the_link_train_exactly_as_over_loopback(pools, tmp_path,
     derived = sweep.bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
     sent = saved["modes"]["tp_overlap"]["sent_bytes_per_step"]
     assert derived <= sent <= 2 * derived, f"sent {sent} B per step, derived {derived} B"
-    loopback = profile.run_phases(profile.PoolRunner(pools(2)), args)
+    loopback = phases.run_phases(phases.PoolRunner(pools(2)), args)
     for mode in ("baseline", "tp", "tp_overlap"):
         over_link, over_loopback = saved["modes"][mode]["loss"], loopback["modes"][mode]["loss"]
         assert over_link == over_loopback, f"{mode}: link {over_link} vs loopback {over_loopback}"

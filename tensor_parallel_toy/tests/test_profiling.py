@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from tensor_parallel_toy.profiling import cli as profile
+from tensor_parallel_toy.profiling import phases
 from tensor_parallel_toy.profiling import data
 from tensor_parallel_toy.profiling.bench_overlap import OPS
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
@@ -28,9 +29,9 @@ TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidde
 def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     args = profile.parse_args([*TINY, "--out", str(tmp_path)], env={})
     args.argv = TINY
-    results = profile.run_phases(profile.PoolRunner(pools(2)), args)
+    results = phases.run_phases(phases.PoolRunner(pools(2)), args)
     results["meta"]["runtime_s"] = 0.0
-    summary = profile.write_outputs(results, str(tmp_path))
+    summary = phases.write_outputs(results, str(tmp_path))
 
     written = sorted(os.listdir(tmp_path))
     expected = ["grad_norm.png", "loss.png", "memory.png", "overlap.png", "results.json",
@@ -152,13 +153,13 @@ def test_an_interrupted_write_leaves_the_previous_results_intact(tmp_path, monke
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # as if Ctrl-C arrived while drawing
-    monkeypatch.setattr(profile.plots, "plot_memory", crash)
+    monkeypatch.setattr(phases.plots, "plot_memory", crash)
     results = {"modes": {}, "config": {"run": {}}, "meta": {"world_size": 2}}
-    monkeypatch.setattr(profile.plots, "plot_losses", lambda *a: None)
-    monkeypatch.setattr(profile.plots, "plot_grad_norms", lambda *a: None)
-    monkeypatch.setattr(profile.plots, "plot_step_times", lambda *a: None)
+    monkeypatch.setattr(phases.plots, "plot_losses", lambda *a: None)
+    monkeypatch.setattr(phases.plots, "plot_grad_norms", lambda *a: None)
+    monkeypatch.setattr(phases.plots, "plot_step_times", lambda *a: None)
     with pytest.raises(KeyboardInterrupt):
-        profile.write_outputs(results, str(tmp_path))
+        phases.write_outputs(results, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(previous), os.listdir(tmp_path)
     for name, text in previous.items():
         assert (tmp_path / name).read_text() == text, name
@@ -224,7 +225,7 @@ def test_profile_trains_every_mode_with_grouped_query_attention(pools, tmp_path)
              "--out", str(tmp_path)]
     args = profile.parse_args(flags, env={})
     args.argv = flags
-    results = profile.run_phases(profile.PoolRunner(pools(2)), args)
+    results = phases.run_phases(phases.PoolRunner(pools(2)), args)
     assert results["config"]["model"]["num_kv_heads"] == 2, results["config"]["model"]
     for mode, d in results["modes"].items():
         if mode != "baseline":
@@ -303,7 +304,7 @@ def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp
     flags = [*TINY, "--dp", "2", "--tp", "2", "--out", str(tmp_path)]  # bench, timeline skipped
     args = profile.parse_args(flags, env={})
     args.argv = flags
-    results = profile.run_phases(profile.PoolRunner(pools(4)), args)
+    results = phases.run_phases(phases.PoolRunner(pools(4)), args)
     meta = results["meta"]
     assert (meta["dp"], meta["tp"], meta["world_size"]) == (2, 2, 4), meta
     assert "overlap_benchmark" not in results and "timeline" not in results, list(results)
@@ -321,7 +322,7 @@ def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp
     param_bytes = {m: results["modes"][m]["memory_per_rank"][0]["param_bytes"]
                    for m in ("baseline", "tp")}
     assert param_bytes["tp"] * 4 <= param_bytes["baseline"] * 1.05, param_bytes
-    assert "DP=2 (FSDP2) x TP=2" in profile.report.summary_text(
+    assert "DP=2 (FSDP2) x TP=2" in phases.report.summary_text(
         {**results, "targets": []}), "summary header"
 
 
@@ -350,7 +351,7 @@ def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_sam
              "--bench-iters", "0", "--timeline-iters", "0", "--out", str(tmp_path)]
     args = profile.parse_args(flags, env={})
     args.argv = flags
-    results = profile.run_phases(profile.PoolRunner(pools(2 * dp)), args)
+    results = phases.run_phases(phases.PoolRunner(pools(2 * dp)), args)
     assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
     assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
     assert list(results["modes"]) == ["baseline", "tp", "tp_overlap", "hf_dtensor"]
