@@ -88,6 +88,28 @@ def _layer_names(i):
     return f"model.layers.{i}.", f"layers.{i}."
 
 
+# Tensors that only change their name: (ours, Hugging Face's); the per-block ones under the
+# prefixes of `_layer_names`. The fused ones (q/k/v, gate/up) are converted in code.
+_RENAMED = (("embed.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"))
+_RENAMED_PER_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
+                      ("mlp_norm.weight", "post_attention_layernorm.weight"),
+                      ("attn.proj.weight", "self_attn.o_proj.weight"),
+                      ("mlp.down.weight", "mlp.down_proj.weight"))
+
+
+def _renamed(config):
+    """(our key, Hugging Face's key) of every tensor that only changes its name."""
+    pairs = list(_RENAMED)
+    for i in range(config.num_layers):
+        theirs, ours = _layer_names(i)
+        pairs += [(ours + a, theirs + b) for a, b in _RENAMED_PER_BLOCK]
+    return pairs
+
+
+def _qkv_suffixes(config):
+    return ("weight", "bias") if config.qkv_bias else ("weight",)
+
+
 def _interleave(parts, groups):
     """[groups * d, ...] tensors -> one, rows grouped `[groups, part, d]` (a head's q, k, v)."""
     return torch.stack([t.unflatten(0, (groups, -1)) for t in parts], dim=1).flatten(0, 2)
@@ -103,26 +125,20 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict):
     """Hugging Face tensors -> a baseline `Transformer(config)` state dict (same tensors,
     re-laid out; nothing is cast)."""
     hf = hf_state_dict
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    out = {ours: hf[theirs] for ours, theirs in _renamed(config)}
     out["head.weight"] = out["embed.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     nh, nkv = config.num_heads, config.num_kv_heads
-    suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
     for i in range(config.num_layers):
         theirs, ours = _layer_names(i)
-        attn = theirs + "self_attn."
-        out[ours + "attn_norm.weight"] = hf[theirs + "input_layernorm.weight"]
-        out[ours + "mlp_norm.weight"] = hf[theirs + "post_attention_layernorm.weight"]
-        for sfx in suffixes:
-            q, k, v = (hf[f"{attn}{x}_proj.{sfx}"] for x in "qkv")
+        for sfx in _qkv_suffixes(config):
+            q, k, v = (hf[f"{theirs}self_attn.{x}_proj.{sfx}"] for x in "qkv")
             if nkv == nh:
                 out[f"{ours}attn.qkv.{sfx}"] = _interleave([q, k, v], nh)
             else:
                 out[f"{ours}attn.q.{sfx}"] = q
                 out[f"{ours}attn.kv.{sfx}"] = _interleave([k, v], nkv)
-        out[ours + "attn.proj.weight"] = hf[attn + "o_proj.weight"]
         out[ours + "mlp.gate_up"] = torch.stack([hf[theirs + "mlp.gate_proj.weight"],
                                                  hf[theirs + "mlp.up_proj.weight"]])
-        out[ours + "mlp.down.weight"] = hf[theirs + "mlp.down_proj.weight"]
     return out
 
 
@@ -149,26 +165,20 @@ def to_hf(config: ModelConfig, state_dict):
     if config.mlp != "swiglu":
         raise ValueError(f"mlp={config.mlp!r}: Hugging Face Llama/Mistral/Qwen2 use 'swiglu'")
     sd = state_dict
-    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    out = {theirs: sd[ours] for ours, theirs in _renamed(config)}
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["head.weight"]
     nh, nkv = config.num_heads, config.num_kv_heads
-    suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
     for i in range(config.num_layers):
         theirs, ours = _layer_names(i)
-        attn = theirs + "self_attn."
-        out[theirs + "input_layernorm.weight"] = sd[ours + "attn_norm.weight"]
-        for sfx in suffixes:
+        for sfx in _qkv_suffixes(config):
             if nkv == nh:
                 q, k, v = _split(sd[f"{ours}attn.qkv.{sfx}"], nh, 3)
             else:
                 q, (k, v) = sd[f"{ours}attn.q.{sfx}"], _split(sd[f"{ours}attn.kv.{sfx}"], nkv, 2)
             for name, t in zip("qkv", (q, k, v)):
-                out[f"{attn}{name}_proj.{sfx}"] = t
-        out[attn + "o_proj.weight"] = sd[ours + "attn.proj.weight"]
-        out[theirs + "post_attention_layernorm.weight"] = sd[ours + "mlp_norm.weight"]
+                out[f"{theirs}self_attn.{name}_proj.{sfx}"] = t
         gate, up = (t.clone() for t in sd[ours + "mlp.gate_up"].unbind(0))  # own storage
         out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = gate, up
-        out[theirs + "mlp.down_proj.weight"] = sd[ours + "mlp.down.weight"]
     return out
 
 
