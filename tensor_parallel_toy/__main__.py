@@ -1,5 +1,6 @@
-"""Command line: `python -m tensor_parallel_toy test [pytest args...]` and
-`python -m tensor_parallel_toy profile [flags]` (see `profile --help`)."""
+"""Command line: `python -m tensor_parallel_toy test [pytest args...]`,
+`python -m tensor_parallel_toy profile [flags]` (see `profile --help`) and
+`python -m tensor_parallel_toy blog` (the posts' figures and text, from the committed results)."""
 import argparse
 import os
 import sys
@@ -26,6 +27,22 @@ def _test(extra_args):
     return int(code)
 
 
+def _blog():
+    """Draw the conceptual figures into blog/figures and render blog/src/*.md into blog/."""
+    from .profiling import concepts, post
+
+    blog_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "blog")
+    try:
+        written = concepts.draw_all(os.path.join(blog_dir, "figures"))
+        written += post.write_posts(blog_dir)
+    except (KeyError, ValueError) as e:  # a placeholder the results cannot fill
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {os.path.relpath(path, os.path.dirname(blog_dir))}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m tensor_parallel_toy",
@@ -36,12 +53,18 @@ def main(argv=None):
     sub.add_parser("profile", add_help=False,
                    help="train baseline / tp / tp_overlap / dtensor side by side and measure "
                         "them; `profile --help` lists the flags")
+    sub.add_parser("blog", help="redraw the posts' conceptual figures and render blog/src/*.md "
+                                "with the numbers of the committed profile runs")
     args, extra = parser.parse_known_args(argv)
     if args.command == "test":
         return _test(extra)
     if args.command == "profile":
         from .profiling.cli import main as profile_main
         return profile_main(extra)
+    if args.command == "blog":
+        if extra:
+            parser.error(f"blog takes no arguments, got {' '.join(extra)}")
+        return _blog()
     parser.error(f"unknown command {args.command!r}")
 
 
