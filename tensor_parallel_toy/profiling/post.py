@@ -67,21 +67,112 @@ def _format(value, fmt, where):
         raise ValueError(f"{where}: cannot format {value!r} with {fmt!r}: {e}") from None
 
 
+def _matrix(t):
+    return str(t.tolist()).replace(".0,", ",").replace(".0]", "]")
+
+
+def worked_example():
+    """Part 1's two-rank example, computed: Y = X Wᵀ split by columns and by rows, and the
+    column split's backward, whose per-rank terms of dX only sum to dX."""
+    import torch
+
+    x = torch.tensor([[1., 2., 0., 1.], [0., 1., 3., 2.]])  # [n=2, in=4]
+    w = torch.tensor([[1., 0., 2., 1.], [0., 1., 1., 0.]])  # [out=2, in=4]
+    dy = torch.tensor([[1., 1.], [1., 0.]])
+    y = x @ w.t()
+    parts = [x[:, :2] @ w[:, :2].t(), x[:, 2:] @ w[:, 2:].t()]  # row split: partial sums
+    terms = [dy[:, r:r + 1] @ w[r:r + 1] for r in range(2)]  # column split: dX's terms
+    assert torch.equal(parts[0] + parts[1], y) and torch.equal(terms[0] + terms[1], dy @ w)
+    return {"ex.X": _matrix(x), "ex.W": _matrix(w), "ex.Y": _matrix(y), "ex.dY": _matrix(dy),
+            "ex.col0": _matrix(y[:, :1]), "ex.col1": _matrix(y[:, 1:]),
+            "ex.part0": _matrix(parts[0]), "ex.part1": _matrix(parts[1]),
+            "ex.dx0": _matrix(terms[0]), "ex.dx1": _matrix(terms[1]), "ex.dX": _matrix(dy @ w)}
+
+
+def _max_rel(prefix, results, key="loss_rel_err_vs_baseline"):
+    """Largest relative difference from the baseline over all steps, per mode and overall."""
+    out, worst = {}, 0.0
+    for mode, d in results["modes"].items():
+        if d.get(key) is not None:
+            value = max(d[key])
+            out[f"{prefix}.{mode}"] = f"{value:.1e}"
+            worst = max(worst, value)
+    out[f"{prefix}.all"] = f"{worst:.1e}"
+    return out
+
+
+def _results_table(results):
+    rows = []
+    for mode, d in results["modes"].items():
+        mem = d["memory_per_rank"][0]
+        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+        t = d["step_time"]
+        rel = d.get("loss_rel_err_vs_baseline")
+        rows.append(" | ".join([
+            f"| `{mode}`", f"{d['loss'][0]:.4f} → {d['loss'][-1]:.4f}",
+            "–" if rel is None else f"{max(rel):.1e}", f"{d['grad_norm'][-1]:.4f}",
+            f"{t['median'] * 1e3:.1f} [{t['p10'] * 1e3:.1f}–{t['p90'] * 1e3:.1f}]",
+            f"{d['tokens_per_s']:.0f}", f"{mem['saved_activation_bytes'] / MIB:.2f}",
+            f"{state / MIB:.2f} |"]))
+    return "\n".join(rows)
+
+
+def _spread(d, digits=1):
+    return f"{d['median']:.{digits}f} [{d['p10']:.{digits}f}–{d['p90']:.{digits}f}]"
+
+
 def derived(blog_dir, data):
     """Named numbers that are not one entry of a results file: computed from them or from the
-    package's formulas. Each is written once, here."""
+    package's formulas. Each is computed once, here."""
+    from ..config import ModelConfig
     from . import memory_model
 
-    out = {}
+    out = worked_example()
     run = data["run"]
     model, cfg = run["config"]["model"], run["config"]["run"]
-    shape = dict(s=cfg["seq"], b=cfg["batch"], h=model["hidden_size"], f=model["ffn_hidden_size"],
-                 a=model["num_heads"])
-    p = run["meta"]["tp"]
+    s, b, p = cfg["seq"], cfg["batch"], run["meta"]["tp"]
+    h, B = model["hidden_size"], 4
+    shape = dict(s=s, b=b, h=h, f=model["ffn_hidden_size"], a=model["num_heads"])
     for name, kwargs in {"one": dict(p=1), "tp_only": dict(p=p, sequence_parallel=False),
                          "tp_sp": dict(p=p)}.items():
         elements = sum(e for _, _, e in memory_model.block_saved_elements(**shape, **kwargs))
-        out[f"block_mib.{name}"] = f"{elements * 4 / MIB:.2f}"
+        out[f"block_mib.{name}"] = f"{elements * B / MIB:.2f}"
+    config = ModelConfig(**model)
+    modes = run["modes"]
+    act = {m: d["memory_per_rank"][0]["saved_activation_bytes"] for m, d in modes.items()}
+    formula = {"baseline": memory_model.model_saved_bytes(config, s, b, 1),
+               "tp_sp": memory_model.model_saved_bytes(config, s, b, p),
+               "tp_only": memory_model.model_saved_bytes(config, s, b, p,
+                                                         sequence_parallel=False)}
+    measured = {"baseline": act["baseline"], "tp_sp": act["tp"],
+                "tp_only": run["memory_tp_no_sp"]["saved_activation_bytes"]}
+    for name in formula:
+        out[f"mem.formula.{name}"] = f"{formula[name]:,}"
+        out[f"mem.measured.{name}"] = f"{measured[name]:,}"
+    out["mem.tp_no_sp_mib"] = f"{measured['tp_only'] / MIB:.2f}"
+
+    def state(mode):
+        mem = modes[mode]["memory_per_rank"][0]
+        return mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+    out["mem.tp_over_baseline.act"] = f"{act['tp'] / act['baseline']:.3f}"
+    out["mem.tp_over_baseline.state"] = f"{state('tp') / state('baseline'):.3f}"
+    # DTensor saves the gathered input of its 5 column layers (2 per block and the head).
+    extra = act["dtensor"] - act["tp"]
+    columns = 2 * model["num_layers"] + 1
+    extra_formula = columns * (p - 1) * s * b * h * B // p
+    out.update({"dtensor.extra_bytes": f"{extra:,}", "dtensor.extra_formula": f"{extra_formula:,}",
+                "dtensor.extra_gap": f"{abs(extra - extra_formula):,}"})
+    out.update(_max_rel("run.max_rel_loss", run))
+    out.update(_max_rel("run.max_rel_grad_norm", run, "grad_norm_rel_err_vs_baseline"))
+    for name in ("llama", "2d"):
+        if name in data:
+            out.update(_max_rel(f"{name}.max_rel_loss", data[name]))
+    out["results_table"] = _results_table(run)
+    for mode, summary in run["timeline"]["summary"].items():
+        for key, label in (("total_ms", "total"), ("blocked_in_comm_ms", "blocked")):
+            value = summary.get(key + "_spread")
+            if value is not None:
+                out[f"tl.{mode}.{label}"] = _spread(value)
     return out
 
 

@@ -1,6 +1,6 @@
-"""The blog post quotes the package verbatim: every tagged code excerpt must still be in its file.
+"""The blog posts: their code quoted verbatim, their numbers measured, their figures current.
 
-An excerpt is a fenced code block preceded by a tag naming its source, relative to the
+Excerpts. An excerpt is a fenced code block preceded by a tag naming its source, relative to the
 repository root:
 
     <!-- excerpt: tensor_parallel_toy/ring.py -->
@@ -12,6 +12,11 @@ repository root:
 The block must appear in that file character for character (leading and trailing blank lines of
 the block aside). When the code changes, the test names the excerpt that drifted, so the post is
 updated in the same change. The post's image links must point at files that exist.
+
+Numbers. The posts are rendered from blog/src/ by `python -m tensor_parallel_toy blog`
+(profiling/post.py): every measured number is a placeholder naming an entry of the committed
+results. The committed posts must equal a fresh rendering, and the templates must hold no
+number that looks measured outside the allow-list below.
 """
 import os
 import re
@@ -20,11 +25,18 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOG = os.path.join(ROOT, "blog")
-POST = os.path.join(BLOG, "tensor-parallel-deep-dive.md")
+
+# Numbers a writer may type: years, arXiv numbers, and constants that are not measurements.
+ALLOWED_NUMBERS = {
+    "2019", "2021", "2022", "2023", "2024", "2025",  # publication years
+    "1909.08053", "2205.05198", "2104.04473", "2205.14135",  # arXiv numbers in the text
+    "3.10",  # the Python version the package needs
+}
 
 _TAG = re.compile(r"<!--\s*excerpt:\s*(\S+)\s*-->")
 _FENCE = re.compile(r"^(`{3,}|~{3,})")
 _IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def parse_excerpts(text):
@@ -79,27 +91,102 @@ def check_excerpts(text, root):
     return problems
 
 
-def _post_text():
-    assert os.path.isfile(POST), f"the blog post {POST} is missing"
-    with open(POST, encoding="utf-8") as f:
-        return f.read()
+def _posts():
+    """{name: text} of the committed, rendered posts."""
+    from tensor_parallel_toy.profiling import post
+
+    texts = {}
+    for name in post.POSTS:
+        path = os.path.join(BLOG, name)
+        assert os.path.isfile(path), f"the blog post {path} is missing"
+        with open(path, encoding="utf-8") as f:
+            texts[name] = f.read()
+    return texts
 
 
-def test_blog_post_has_tagged_excerpts():
-    excerpts = parse_excerpts(_post_text())
-    assert excerpts, f"{POST} has no tagged code excerpts (<!-- excerpt: path --> + code block)"
+def test_blog_posts_have_tagged_excerpts():
+    for name, text in _posts().items():
+        assert parse_excerpts(text), f"{name} has no tagged code excerpts"
 
 
 def test_blog_excerpts_are_verbatim_from_the_package():
-    problems = check_excerpts(_post_text(), ROOT)
+    problems = [f"{name}: {p}" for name, text in _posts().items()
+                for p in check_excerpts(text, ROOT)]
     assert not problems, "blog excerpts out of sync with the code:\n" + "\n".join(problems)
 
 
-def test_blog_images_exist():
-    missing = [link for link in _IMAGE.findall(_post_text())
-               if not re.match(r"[a-z]+://", link)
-               and not os.path.isfile(os.path.join(BLOG, link))]
-    assert not missing, f"images linked from the post but not in blog/: {missing}"
+def test_blog_images_and_links_exist():
+    missing = [f"{name}: {link}" for name, text in _posts().items()
+               for link in _IMAGE.findall(text) + _LINK.findall(text)
+               if not re.match(r"[a-z]+://|#", link)
+               and not os.path.exists(os.path.join(BLOG, link.split("#")[0]))]
+    assert not missing, f"images or files linked from the posts but not in blog/: {missing}"
+
+
+def test_committed_posts_equal_a_fresh_rendering_of_their_templates():
+    """Re-running the profile into blog/results, or editing blog/src, without running
+    `python -m tensor_parallel_toy blog` fails here."""
+    from tensor_parallel_toy.profiling import post
+
+    for name, expected in post.rendered_posts(BLOG).items():
+        with open(os.path.join(BLOG, name), encoding="utf-8") as f:
+            committed = f.read()
+        if committed != expected:
+            diff = next(i for i, (a, b) in enumerate(zip(committed.splitlines() + [""],
+                                                         expected.splitlines() + [""]))
+                        if a != b)
+            raise AssertionError(f"blog/{name} is not the rendering of blog/src/{name} with "
+                                 f"the committed results (first difference at line {diff + 1}); "
+                                 f"run `python -m tensor_parallel_toy blog`")
+
+
+def test_templates_hold_no_hand_typed_measurement():
+    from tensor_parallel_toy.profiling import post
+
+    for name in post.POSTS:
+        with open(os.path.join(BLOG, "src", name), encoding="utf-8") as f:
+            found = post.hand_typed_numbers(f.read(), ALLOWED_NUMBERS)
+        assert not found, (f"blog/src/{name}: numbers typed by hand (line, number): {found}; "
+                           f"use a placeholder {{{{source:path|format}}}} (profiling/post.py)")
+
+
+@pytest.mark.parametrize("template, expected", [
+    ("The step took 12.5 ms.", [(1, "12.5")]),
+    ("It sent\n1,048,576 bytes.", [(2, "1,048,576")]),
+    ("An error of 3e-07 here.", [(1, "3e-07")]),
+    ("It took 250 steps.", [(1, "250")]),
+    ("Section 4, p = 2, four of 8 heads.", []),
+    ("Measured {{run:meta.runtime_s|int}} s, in 2019.", []),
+    ("```\ntook 12.5 ms\n```\nand `0.75` in code, [a](x/1.5.png)", []),
+], ids=["decimal", "thousands", "exponent", "three-digits", "small-ints", "placeholder-year",
+        "code-and-links"])
+def test_hand_typed_number_finder(template, expected):
+    from tensor_parallel_toy.profiling import post
+
+    assert post.hand_typed_numbers(template, ALLOWED_NUMBERS) == expected
+
+
+def test_render_fills_placeholders_and_refuses_unknown_ones():
+    from tensor_parallel_toy.profiling import post
+
+    data = {"run": {"a": {"b": [0.25, 0.123456]}, "r": {"ratio": 0.9, "ci95": [0.8, 0.95]}}}
+    text = post.render("x {{run:a.b.-1|.3f}} y {{run:a.b.0|ms}} {{run:r|ratio}} {{n}}", data,
+                       {"n": "N"})
+    assert text == "x 0.123 y 250.0 0.90 [0.80–0.95] N"
+    for bad, message in (("{{run:a.c}}", "has no 'c'"), ("{{nope:a}}", "unknown results source"),
+                         ("\n{{missing}}", "line 2: unknown placeholder")):
+        with pytest.raises(KeyError, match=message):
+            post.render(bad, data, {})
+
+
+def test_posts_state_a_reading_time_that_fits_their_length():
+    for name, text in _posts().items():
+        stated = re.search(r"About (\d+) minutes", text)
+        assert stated, f"{name} does not state its reading time at the top"
+        words = len(re.findall(r"\w+", text))
+        minutes = int(stated.group(1))
+        assert words / 300 <= minutes <= words / 150, (
+            f"{name}: {words} words, stated {minutes} minutes (150-300 words per minute)")
 
 
 # The checker itself must be able to fail: drifted code, a wrong path, a tag without a block.
@@ -129,30 +216,15 @@ def test_excerpt_checker_catches_drift(tmp_path, post, expected):
         assert len(problems) == 1 and expected in problems[0], problems
 
 
-def test_post_results_table_and_summary_match_the_committed_results_json():
-    """The numbers of section 7 are those of blog/results/results.json: re-running the profile
-    into blog/results without updating the post (or the other way round) fails here."""
+def test_summary_txt_is_the_committed_results_json():
     import json
 
     from tensor_parallel_toy.profiling import report
 
-    with open(os.path.join(BLOG, "results", "results.json"), encoding="utf-8") as f:
-        results = json.load(f)
-    with open(os.path.join(BLOG, "results", "summary.txt"), encoding="utf-8") as f:
-        assert f.read() == report.summary_text(results), "summary.txt is not from results.json"
-    with open(POST, encoding="utf-8") as f:
-        post = f.read()
-    mib = 2 ** 20
-    for mode, d in results["modes"].items():
-        mem = d["memory_per_rank"][0]
-        state = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
-        t = d["step_time"]
-        cells = [f"`{mode}`", f"{d['loss'][0]:.4f} → {d['loss'][-1]:.4f}",
-                 f"{d['grad_norm'][-1]:.4f}",
-                 f"{t['median'] * 1e3:.1f} [{t['p10'] * 1e3:.1f}–{t['p90'] * 1e3:.1f}]",
-                 f"{d['tokens_per_s']:.0f}", f"{mem['saved_activation_bytes'] / mib:.2f}",
-                 f"{state / mib:.2f}"]
-        rows = [line for line in post.splitlines() if line.startswith(f"| `{mode}` |")]
-        assert rows, f"the results table has no row for {mode}"
-        missing = [c for c in cells if c not in rows[0]]
-        assert not missing, f"{mode}: the post's row {rows[0]!r} lacks {missing} (results.json)"
+    for folder in ("results", "llama", "2d"):
+        path = os.path.join(BLOG, folder, "results.json")
+        if folder == "results" or os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                results = json.load(f)
+            with open(os.path.join(BLOG, folder, "summary.txt"), encoding="utf-8") as f:
+                assert f.read() == report.summary_text(results), f"{folder}/summary.txt"

@@ -1,0 +1,1 @@
+"""Short programs that use the package the way a reader would, run by the tests."""
