@@ -1,0 +1,154 @@
+"""The activation-memory model against what autograd actually saves, and the blog's conceptual
+figures: present, drawn from the current source, and drawn the same way every time.
+
+The memory model is checked tensor by tensor: every storage it lists must be one autograd
+keeps (matched by size, at the profile's default shape), and what autograd keeps beyond them
+(token ids, labels, rotary tables, masks) must stay under 0.2 % of the total. Three models:
+the single-device baseline, the TP + SP model at p = 2, and the baseline with its blocks split
+by `classic_tp.apply_tensor_parallel` (TP without SP) at p = 2.
+"""
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensor_parallel_toy.classic_tp import apply_tensor_parallel
+from tensor_parallel_toy.config import ModelConfig
+from tensor_parallel_toy.model import MLP, Attention, Transformer
+from tensor_parallel_toy.profiling.memory_model import (block_saved_elements,
+                                                        model_saved_bytes, model_saved_elements,
+                                                        profile_block_mib, profile_shape)
+from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
+from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
+
+from .helpers import max_rel_error
+
+CONFIG = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)  # the profile's default model
+SHAPE = profile_shape()  # s, b, h, f, a, p
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BLOG = os.path.join(ROOT, "blog", "tensor-parallel-deep-dive.md")
+EXTRA_TOL = 0.002  # what autograd keeps beyond the model's list, as a fraction of the list
+
+
+class ClassicAttention(Attention):
+    """The model's attention, opting in to `apply_tensor_parallel`: its fused qkv rows are laid
+    out head by head, so a contiguous row shard is whole heads, as the column layer needs."""
+    tp_column = "qkv"
+    tp_row = "proj"
+
+
+class ClassicMLP(MLP):
+    tp_column = "fc1"
+    tp_row = "fc2"
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    size = (SHAPE["b"], SHAPE["s"])
+    return (torch.randint(0, CONFIG.vocab_size, size, generator=gen),
+            torch.randint(0, CONFIG.vocab_size, size, generator=gen))
+
+
+def _saved_storages(model):
+    """(loss, bytes of each storage autograd saved during one forward + backward)."""
+    ids, labels = _batch()
+    with SavedActivationBytes(model) as meter:
+        loss = model.loss(ids, labels)
+        loss.backward()
+    return loss.detach(), meter.storage_bytes
+
+
+def _on_rank_tp_sp():
+    return _saved_storages(Transformer(CONFIG, tp_group=dist.group.WORLD))[1]
+
+
+def _on_rank_classic_tp():
+    """The baseline Transformer with every block split by apply_tensor_parallel; its loss must
+    be the unsplit model's, or the bytes would describe a wrong model."""
+    model = Transformer(CONFIG)
+    expected = model.loss(*_batch()).detach()
+    for block in model.layers:  # the same modules, now declaring their column and row layers
+        block.attn.__class__, block.mlp.__class__ = ClassicAttention, ClassicMLP
+    apply_tensor_parallel(model, dist.group.WORLD)
+    loss, storages = _saved_storages(model)
+    return max_rel_error(loss, expected), storages
+
+
+def _assert_matches(storages, rows, what):
+    """Every tensor the model lists is a storage autograd saved; the rest is small."""
+    listed = Counter(4 * n for _, _, n in rows)  # fp32
+    measured = Counter(storages)
+    missing, extra = listed - measured, measured - listed
+    formula, total = 4 * sum(n for _, _, n in rows), sum(storages)
+    extra_bytes = sum(size * count for size, count in extra.items())
+    assert not missing, (f"{what}: the model lists tensors autograd did not save (bytes: "
+                         f"count): {dict(missing)}; saved beyond the list: {dict(extra)}")
+    assert extra_bytes <= EXTRA_TOL * formula, (
+        f"{what}: formula {formula:,} B, measured {total:,} B: {extra_bytes:,} B saved beyond "
+        f"the model's list ({extra_bytes / formula:.3%} > {EXTRA_TOL:.1%}): {dict(extra)}")
+    print(f"{what}: formula {formula:,} B, measured {total:,} B "
+          f"(+{(total - formula) / formula:.3%})")
+
+
+def test_memory_model_matches_saved_tensors_single_device():
+    _, storages = _saved_storages(Transformer(CONFIG))
+    rows = model_saved_elements(CONFIG, SHAPE["s"], SHAPE["b"], 1)
+    _assert_matches(storages, rows, "baseline")
+
+
+def test_memory_model_matches_saved_tensors_tp_sp(pools):
+    rows = model_saved_elements(CONFIG, SHAPE["s"], SHAPE["b"], 2)
+    for rank, storages in enumerate(pools(2).run(_on_rank_tp_sp)):
+        _assert_matches(storages, rows, f"TP + SP, p=2, rank {rank}")
+
+
+def test_memory_model_matches_saved_tensors_classic_tp(pools):
+    rows = model_saved_elements(CONFIG, SHAPE["s"], SHAPE["b"], 2, sequence_parallel=False)
+    for rank, (loss_err, storages) in enumerate(pools(2).run(_on_rank_classic_tp)):
+        assert loss_err <= 1e-5, f"rank {rank}: classic TP loss differs by {loss_err:.3g}"
+        _assert_matches(storages, rows, f"TP alone, p=2, rank {rank}")
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_per_tensor_rows_add_up_to_the_blog_formulas(p, sequence_parallel):
+    s, b, h, f, a, L, V = 128, 8, 256, 1024, 8, 2, 256
+    block = sum(n for _, _, n in block_saved_elements(s, b, h, f, a, p, sequence_parallel))
+    if sequence_parallel:  # M_TP+SP = (6sbh + 6sbh + 2sbf + sba + 2sb) / p
+        formula = (6 * s * b * h + 6 * s * b * h + 2 * s * b * f + s * b * a + 2 * s * b) // p
+        rest = (3 * s * b * h + s * b + s * b * V) // p
+    else:  # M_TP = 6sbh + 2sb + (6sbh + 2sbf + sba) / p; the blocks alone are split
+        formula = 6 * s * b * h + 2 * s * b + (6 * s * b * h + 2 * s * b * f + s * b * a) // p
+        rest = 3 * s * b * h + s * b + s * b * V
+    assert block == formula, (block, formula)
+    config = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)
+    total = model_saved_bytes(config, s, b, p, sequence_parallel, bytes_per_element=4)
+    assert total == 4 * (L * formula + rest), (total, 4 * (L * formula + rest))
+
+
+def test_blog_quotes_the_memory_model():
+    """Section 2's per-block MiB at the profile's default shape and its whole-model totals."""
+    with open(BLOG, encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    mib = profile_block_mib()
+    s, b = SHAPE["s"], SHAPE["b"]
+    quotes = [f"{mib['one device']:.2f} MiB per block on one device",
+              f"{mib['TP alone']:.2f} MiB per rank with TP alone",
+              f"{mib['TP + SP']:.2f} MiB with TP + SP",
+              f"predicts {model_saved_bytes(CONFIG, s, b, 1):,} bytes",
+              f"predicts {model_saved_bytes(CONFIG, s, b, 2):,} bytes per rank"]
+    missing = [q for q in quotes if q not in text]
+    assert not missing, f"the blog does not say: {missing}"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(p=3), "h=256 is not divisible by p=3"),
+    (dict(s=100, p=8), "s=100 is not divisible by p=8"),
+    (dict(b=0), "b=0 must be a positive integer"),
+])
+def test_memory_model_refuses_sizes_that_do_not_split(bad, message):
+    sizes = {"s": 128, "b": 8, "h": 256, "f": 1024, "a": 8, "p": 2} | bad
+    with pytest.raises(ValueError, match=message):
+        block_saved_elements(**sizes)
