@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tensor_parallel_toy.classic_tp import apply_tensor_parallel
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.model import MLP, Attention, Transformer
+from tensor_parallel_toy.profiling import concepts
 from tensor_parallel_toy.profiling.memory_model import (block_saved_elements,
                                                         model_saved_bytes, model_saved_elements,
                                                         profile_block_mib, profile_shape)
@@ -29,6 +30,7 @@ CONFIG = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)  # the profile's default
 SHAPE = profile_shape()  # s, b, h, f, a, p
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOG = os.path.join(ROOT, "blog", "tensor-parallel-deep-dive.md")
+FIGURES = os.path.join(ROOT, "blog", "figures")
 EXTRA_TOL = 0.002  # what autograd keeps beyond the model's list, as a fraction of the list
 
 
@@ -152,3 +154,37 @@ def test_memory_model_refuses_sizes_that_do_not_split(bad, message):
     sizes = {"s": 128, "b": 8, "h": 256, "f": 1024, "a": 8, "p": 2} | bad
     with pytest.raises(ValueError, match=message):
         block_saved_elements(**sizes)
+
+
+# -- the conceptual figures --------------------------------------------------------------------------
+def test_blog_figures_are_drawn_from_the_current_source():
+    stale = concepts.stale_figures(FIGURES)
+    assert not stale, ("blog/figures is out of date; redraw it with `python -m "
+                       "tensor_parallel_toy.profiling.concepts blog/figures`:\n"
+                       + "\n".join(stale))
+
+
+def test_stale_figures_names_missing_foreign_and_unreadable_files(tmp_path):
+    names = list(concepts.DRAWERS)
+    assert len(concepts.stale_figures(tmp_path)) == len(names)  # all missing
+    current, foreign, broken = names[-1], names[0], names[1]
+    concepts.DRAWERS[current](str(tmp_path / current))
+    with open(tmp_path / foreign, "wb") as f:  # a real PNG, drawn from some other source
+        import matplotlib.pyplot as plt
+        fig = plt.figure(figsize=(1, 1))
+        fig.savefig(f, format="png", metadata={concepts.SOURCE_KEY: "0" * 64})
+        plt.close(fig)
+    (tmp_path / broken).write_bytes(b"not a png")
+    stale = {line.split(":")[0]: line for line in concepts.stale_figures(tmp_path)}
+    assert current not in stale, stale[current]
+    assert "0" * 64 in stale[foreign], stale[foreign]
+    assert "drawn from source None" in stale[broken], stale[broken]
+    assert set(stale) == set(names) - {current}, sorted(stale)
+
+
+def test_drawing_a_figure_twice_gives_the_same_bytes(tmp_path):
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    concepts.draw_regions(str(first))
+    concepts.draw_regions(str(second))
+    assert first.read_bytes() == second.read_bytes(), "two drawings of regions.png differ"
+    assert concepts.drawn_from(first) == concepts.source_hash()
