@@ -8,6 +8,7 @@ file and of memory_model.py (whose numbers the last figure draws): `stale_figure
 figure that is missing or was drawn from other source, without looking at file times, which a
 fresh clone does not keep. The drawing is deterministic: fixed fonts, no date in the file.
 """
+import functools
 import hashlib
 import os
 import sys
@@ -65,10 +66,9 @@ def _rounded(ax, x, y, w, h, text, fill=COMM, size=8.5, edge="#a65d00"):
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
 
 
-def _arrow(ax, start, end, color="#333333", width=1.2, style="-|>", rad=0.0):
+def _arrow(ax, start, end, color="#333333", width=1.2):
     ax.annotate("", xy=end, xytext=start, arrowprops=dict(
-        arrowstyle=style, color=color, linewidth=width, shrinkA=1, shrinkB=1,
-        connectionstyle=f"arc3,rad={rad}"))
+        arrowstyle="-|>", color=color, linewidth=width, shrinkA=1, shrinkB=1))
 
 
 def _save(fig, path):
@@ -83,12 +83,12 @@ def _save(fig, path):
 
 
 def _styled(draw):
-    """Draw with the fixed fonts, whatever the caller's matplotlib settings."""
+    """Draw with the fixed fonts, whatever the caller's matplotlib settings; return the path."""
+    @functools.wraps(draw)
     def run(path):
         with plt.rc_context(RC):
             draw(path)
         return path
-    run.__name__, run.__doc__ = draw.__name__, draw.__doc__
     return run
 
 
@@ -130,7 +130,7 @@ def draw_column_row_split(path):
             r"$W_r$ [out, in/p], and needs only $X_r$", fontsize=11, weight="bold",
             va="center")
     for r in range(2):
-        _box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[n, in/p]".replace(", ", ",\n"),
+        _box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[n,\nin/p]",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
@@ -170,9 +170,10 @@ def _grid(ax, x, y, cells, cell_w=0.95, cell_h=0.62):
 
 
 @_styled
-def draw_collectives(path, p=4):
+def draw_collectives(path):
     """All-gather, reduce-scatter and all-reduce over p = 4 ranks: what each rank holds before
     and after, the bytes each rank sends, and the conjugate pairs."""
+    p = 4
     fig, ax = _canvas(20, 17)
     letters = "ABCD"
     gathered = [[(f"$X_{k}$", RANK_FILL[k]) for k in range(p)] for _ in range(p)]
@@ -368,10 +369,11 @@ def _timeline(ax, y, label, spans, scale, x0=3.3):
 
 
 @_styled
-def draw_ring_all_gather_gemm(path, p=4):
+def draw_ring_all_gather_gemm(path):
     """ring.py's `ring_all_gather` feeding the column layer's GEMM: at step k rank r holds
     chunk (r - k) mod p, multiplies it into its rows of Y, and passes it to rank r + 1 while
     the GEMM runs; below, rank 1's timeline, basic against ring."""
+    p = 4
     fig, ax = _canvas(20, 14.4)
     ax.text(0.3, 13.9, "All-gather + GEMM as a ring (column layer forward, p = 4): "
             "at step k, rank r holds chunk (r − k) mod p", fontsize=10, weight="bold",
@@ -414,10 +416,11 @@ def draw_ring_all_gather_gemm(path, p=4):
 
 
 @_styled
-def draw_ring_reduce_scatter(path, p=4):
+def draw_ring_reduce_scatter(path):
     """ring.py's `ring_reduce_scatter` of the row layer's partial sums: the running sum of
     chunk c starts on rank c + 1, travels right, gains each rank's partial, and arrives
     complete on rank c after p - 1 hops."""
+    p = 4
     fig, ax = _canvas(20, 12.0)
     ax.text(0.3, 11.5, "GEMM + reduce-scatter as a ring (row layer forward, p = 4): "
             "chunk c's running sum starts on rank c + 1", fontsize=10, weight="bold",
