@@ -260,7 +260,7 @@ def _block_items(sequence_parallel):
 def _draw_block(ax, x0, top, items, gap=0.45, width=9.4):
     """One column of the figure: the items top to bottom, regions shaded behind them."""
     cx, y, centres = x0 + width / 2 - 0.2, top, []
-    for kind, text, region in items:
+    for kind, _, region in items:
         h = HEIGHT[kind]
         if region is not None:  # shade the slot, gaps included, so a region reads as a band
             ax.add_patch(Rectangle((x0, y - h - gap / 2), width, h + gap,
@@ -279,15 +279,14 @@ def _draw_block(ax, x0, top, items, gap=0.45, width=9.4):
             below, hb = centres[i + 1]
             _arrow(ax, (cx, yc - h / 2), (cx, below + hb / 2), width=1)
     # The residual stream bypasses each sub-block, from its input to the "+".
-    starts = [0, items.index(next(it for it in items if it[0] == "add"))]
-    adds = [i for i, it in enumerate(items) if it[0] == "add"]
+    adds = [i for i, item in enumerate(items) if item[0] == "add"]
+    starts = [0] + adds[:-1]
     xr = x0 + width - 0.25
     for start, end in zip(starts, adds):
         ys, ye = centres[start][0], centres[end][0]
         x_from = cx + 3.3  # the right edge of a box, or past the end of the input's label
         ax.plot([x_from, xr, xr], [ys, ys, ye], color="#666666", linewidth=1)
         _arrow(ax, (xr, ye), (cx + 3.3, ye), color="#666666", width=1)
-    return y
 
 
 @_styled
@@ -320,7 +319,8 @@ def draw_regions(path):
 def _ring_grid(ax, p, top, cell, send_label):
     """Ranks (rows, rank 0 on top) by steps (columns). cell(r, k) -> (text, chunk, last):
     the cell is coloured as the chunk, bold-edged when `last`. An arrow from (r, k) to
-    (r+1, k+1) is the transfer posted at step k+1 (`send_label(r, k)` names what travels)."""
+    (r+1, k+1): what rank r holds at step k travels to rank r+1, which uses it at step k+1
+    (`send_label(r, k)` names it)."""
     col_w, cell_w, row_h, cell_h, x0 = 4.3, 3.1, 1.55, 1.1, 2.0
 
     def corner(r, k):
@@ -392,8 +392,8 @@ def draw_ring_all_gather_gemm(path):
 
     t_g, t_c, scale = 1.0, 0.8, 2.45  # one chunk's GEMM, one ring step's transfer (t_c < t_g)
     y = bottom - 2.6
-    ax.text(0.3, y + 1.0, f"Rank 1's timeline, with one ring step's transfer (t_c) shorter "
-            f"than one chunk's GEMM (t_g):", fontsize=9, va="center", weight="bold")
+    ax.text(0.3, y + 1.0, "Rank 1's timeline, with one ring step's transfer (t_c) shorter "
+            "than one chunk's GEMM (t_g):", fontsize=9, va="center", weight="bold")
     gather = (p - 1) * t_c
     _timeline(ax, y - 0.1, "basic: compute", [
         (0, gather, "waiting", "white", True),
