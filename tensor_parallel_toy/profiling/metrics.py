@@ -40,7 +40,8 @@ def _is_parameter(t):
 
 class SavedActivationBytes:
     """Context manager: bytes of the tensors saved for backward inside it, deduplicated by
-    storage, parameters excluded. Read `.bytes` (total) and `.count` (storages) afterwards."""
+    storage, parameters excluded. Read `.bytes` (total), `.count` (storages) and
+    `.storage_bytes` (each storage's bytes) afterwards."""
 
     def __init__(self, model):
         self._params = {_storage_key(p) for p in model.parameters()}
@@ -71,6 +72,11 @@ class SavedActivationBytes:
     @property
     def count(self):
         return len(self._seen)
+
+    @property
+    def storage_bytes(self):
+        """The bytes of each storage counted, largest first."""
+        return sorted(self._seen.values(), reverse=True)
 
 
 def _nbytes(tensors):
