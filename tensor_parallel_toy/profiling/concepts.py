@@ -250,8 +250,8 @@ def _block_items(sequence_parallel):
             ("add", f"+ residual  →  {rows}", region),
             ("op", f"mlp_norm (RMSNorm)   {rows}", region),
             ("comm", enter, None),
-            ("op", "fc1 (column)  →  [s, b, f/p]", TPR),
-            ("op", "GELU   [s, b, f/p]", TPR),
+            ("op", "fc1 (column)  →  [s, b, m/p]", TPR),
+            ("op", "GELU   [s, b, m/p]", TPR),
             ("op", "fc2 (row)  →  partial sums [s, b, h]", TPR),
             ("comm", leave, None),
             ("add", f"+ residual  →  {rows}", region)]
@@ -505,7 +505,7 @@ def draw_memory_per_tensor(path):
     ax.spines[["top", "right"]].set_visible(False)
     fig.text(0.01, 0.955, "Activations one block keeps for backward, per rank", fontsize=11,
              weight="bold", va="center")
-    fig.text(0.01, 0.905, "s = {s}, b = {b}, h = {h}, f = {f}, a = {a} (the profile's default "
+    fig.text(0.01, 0.905, "s = {s}, b = {b}, h = {h}, m = {f}, a = {a} (the profile's default "
              "shape); each segment one kind of saved tensor".format(**shape), fontsize=8.5,
              va="center")
     # Top to bottom as in the bars, then the hatching.

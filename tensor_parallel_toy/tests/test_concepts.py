@@ -29,7 +29,6 @@ from .helpers import max_rel_error
 CONFIG = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)  # the profile's default model
 SHAPE = profile_shape()  # s, b, h, f, a, p
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BLOG = os.path.join(ROOT, "blog", "tensor-parallel-deep-dive.md")
 FIGURES = os.path.join(ROOT, "blog", "figures")
 EXTRA_TOL = 0.002  # what autograd keeps beyond the model's list, as a fraction of the list
 
@@ -133,18 +132,6 @@ def test_per_tensor_rows_add_up_to_the_blog_formulas(config, s, b, p, sequence_p
     assert block == formula, (block, formula)
     total = model_saved_bytes(config, s, b, p, sequence_parallel, bytes_per_element=2)
     assert total == 2 * (L * formula + rest), (total, 2 * (L * formula + rest))
-
-
-def test_blog_quotes_the_memory_model():
-    """Section 2's per-block MiB at the profile's default shape and its whole-model totals
-    (the numbers only, so that the prose around them may change)."""
-    with open(BLOG, encoding="utf-8") as f:
-        text = f.read()
-    s, b = SHAPE["s"], SHAPE["b"]
-    quotes = [f"{mib:.2f} MiB" for mib in profile_block_mib().values()]
-    quotes += [f"{model_saved_bytes(CONFIG, s, b, p):,}" for p in (1, 2)]
-    missing = [q for q in quotes if q not in text]
-    assert not missing, f"the blog does not quote the memory model's {missing}"
 
 
 @pytest.mark.parametrize("bad, message", [
