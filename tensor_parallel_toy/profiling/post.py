@@ -145,7 +145,7 @@ def derived(blog_dir, data):
                "tp_only": memory_model.model_saved_bytes(config, s, b, p,
                                                          sequence_parallel=False)}
     measured = {"baseline": act["baseline"], "tp_sp": act["tp"],
-                "tp_only": run["memory_tp_no_sp"]["saved_activation_bytes"]}
+                "tp_only": run["memory_tp_no_sp"]["memory_per_rank"][0]["saved_activation_bytes"]}
     for name in formula:
         out[f"mem.formula.{name}"] = f"{formula[name]:,}"
         out[f"mem.measured.{name}"] = f"{measured[name]:,}"
@@ -169,10 +169,15 @@ def derived(blog_dir, data):
             out.update(_max_rel(f"{name}.max_rel_loss", data[name]))
     out["results_table"] = _results_table(run)
     for mode, summary in run["timeline"]["summary"].items():
-        for key, label in (("total_ms", "total"), ("blocked_in_comm_ms", "blocked")):
-            value = summary.get(key + "_spread")
-            if value is not None:
-                out[f"tl.{mode}.{label}"] = _spread(value)
+        for key, label in (("total_ms", "total"), ("blocked_in_comm_ms", "blocked"),
+                           ("posting_ms", "posting")):
+            out[f"tl.{mode}.{label}"] = _spread(summary["over_recordings"][key])
+    for src in ("run", "link1g"):  # op time / max(comm, GEMM) over blocks of rounds
+        for op, d in data.get(src, {}).get("overlap_benchmark", {}).get("ops", {}).items():
+            for key, label in (("overlap_over_max_rounds", "ovl"), ("basic_over_max_rounds",
+                                                                    "basic")):
+                if key in d:
+                    out[f"{label}.{src}.{op}"] = _spread(d[key], 2)
     return out
 
 
