@@ -22,6 +22,11 @@ on a graph built once, so the code timed is the package's own.
     hidden = (T_seq - T_overlap) / min(T_comm, T_gemm)   1.0: all the hideable time is hidden
     T_overlap / max(T_comm, T_gemm)                      1.0: the physical limit of overlap
 
+The five variants run once per round, interleaved, so one round is a paired sample: besides
+the ratio of the medians, `overlap_over_max_rounds` and `basic_over_max_rounds` give the
+distribution over rounds of T_overlap / max(T_comm, T_gemm) and T_basic / max(T_comm, T_gemm),
+each round's times taken from that round alone (the slowest rank of each variant).
+
 T_seq can come out longer than T_comm + T_gemm: the first rank done with its exchange starts
 its GEMM while its peer is still exchanging, and on CPU the peer's transfer then slows down (a
 barrier between exchange and GEMM removes the effect; presumably the GEMM holds the core that
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from ..initialize import current_device
 from ..parallel_linear import column_parallel_linear, row_parallel_linear
 from ..ring import Ring, ring_reduce_scatter
+from .metrics import summarize as distribution
 from .metrics import synchronize
 
 OPS = {
@@ -239,6 +245,14 @@ def _schedule_time(t_comm, t_gemm, p):
     return (p - 1) * max(t_gemm / p, t_comm / (p - 1)) + t_gemm / p
 
 
+def _over_max_rounds(slowest, variant):
+    """T_variant / max(T_comm, T_gemm) of every round, each from that round's own times:
+    {median, p10, ..., n, values}."""
+    ratios = [t / max(c, g) for t, c, g in zip(slowest[variant], slowest["comm"],
+                                                 slowest["gemm"])]
+    return {**distribution(ratios), "values": ratios}
+
+
 def summarize(per_rank):
     """Combine the ranks' raw times (slowest rank per iteration) into the reported numbers."""
     first = per_rank[0]
@@ -270,6 +284,8 @@ def summarize(per_rank):
                # is already computing) must not count as hiding: the target uses this one.
                "hidden_conservative": min(hidden, hidden_vs_parts),
                "overlap_over_max": t["overlap"] / max(t["comm"], t["gemm"]),
+               "overlap_over_max_rounds": _over_max_rounds(slowest, "overlap"),
+               "basic_over_max_rounds": _over_max_rounds(slowest, "basic"),
                "comm_over_gemm": t["comm"] / t["gemm"],
                "schedule_ceiling": ceiling}
         if first["device"] == "cpu":
