@@ -182,7 +182,7 @@ def plot_overlap(bench, path, network=""):
     ax.set_title(f"Per-op overlap, {n} rounds (dots; bar: median, whisker: p10-p90, slowest "
                  f"rank)\ns={shape['s']} b={shape['b']} h={shape['h']} f={shape['f']} "
                  f"p={shape['p']}" + (f", {network}" if network else ""), fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     save(fig, path)
 
 
