@@ -152,12 +152,12 @@ def _spread(ax, x, dist, color, label, width, top):
 
 
 def plot_overlap(bench, path, network=""):
-    """Per op, the package's op time over max(comm alone, GEMM alone), round by round: the
-    overlapped schedule and the basic one (whole collectives). 1.0 is the physical limit: an
-    op cannot take less than the longer of its transfers and its GEMMs."""
+    """Per op, the package's op time over max(comm alone, GEMM alone), one dot per block of
+    rounds: the overlapped schedule and the basic one (whole collectives). 1.0 is the physical
+    limit: an op cannot take less than the longer of its transfers and its GEMMs."""
     ops = list(bench["ops"])
-    series = [("overlap_over_max_rounds", "overlapped", STYLE["tp_overlap"][0]),
-              ("basic_over_max_rounds", "basic (whole collectives)", STYLE["tp"][0])]
+    series = [("overlap_over_max_blocks", "overlapped", STYLE["tp_overlap"][0]),
+              ("basic_over_max_blocks", "basic (whole collectives)", STYLE["tp"][0])]
     width = 0.35
     top = 1.4 * max(bench["ops"][o][key]["p90"] for o in ops for key, _, _ in series)
     top = max(top, 1.2)
@@ -175,13 +175,14 @@ def plot_overlap(bench, path, network=""):
         ticks.append(f"{row['label'].replace(', ', chr(10))}\nmax: {longer} "
                      f"{max(row['t_comm_ms'], row['t_gemm_ms']):.2f} ms")
     ax.set_xticks(range(len(ops)), ticks, fontsize=8)
-    n = bench["ops"][ops[0]][series[0][0]]["n"]
+    first = bench["ops"][ops[0]][series[0][0]]
     shape = bench["shape"]
     ax.set_ylabel("op time / max(comm alone, GEMM alone)")
     ax.set_ylim(0, top * 1.1)
-    ax.set_title(f"Per-op overlap, {n} rounds (dots; bar: median, whisker: p10-p90, slowest "
-                 f"rank)\ns={shape['s']} b={shape['b']} h={shape['h']} f={shape['f']} "
-                 f"p={shape['p']}" + (f", {network}" if network else ""), fontsize=10)
+    ax.set_title(f"Per-op overlap: a dot per block of {first['rounds_per_block']} rounds "
+                 f"({first['n']} blocks; bar: median, whisker: p10-p90; slowest rank)\n"
+                 f"s={shape['s']} b={shape['b']} h={shape['h']} f={shape['f']} p={shape['p']}"
+                 + (f", {network}" if network else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     save(fig, path)
 

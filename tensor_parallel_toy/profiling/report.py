@@ -107,8 +107,9 @@ def evaluate_targets(results):
                     f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU, "
                     f"{op['comm_cpu_posting_thread_ms']:.2f} ms of it in the posting thread, "
                     f"the rest on a core that also runs a rank's GEMM")
-        rounds = op["overlap_over_max_rounds"]
-        note = (f"per round: {_fmt_spread(rounds)} (median [p10-p90] of {rounds['n']}); "
+        blocks = op["overlap_over_max_blocks"]
+        note = (f"per block of {blocks['rounds_per_block']} rounds: {_fmt_spread(blocks)} "
+                f"(median [p10-p90] of {blocks['n']}); "
                 f"hidden {op['hidden']:.0%} of the hideable time against the sequential run "
                 f"({op['t_seq_ms']:.2f} ms), {op['hidden_vs_parts']:.0%} against comm + GEMM "
                 f"alone ({op['t_comm_ms'] + op['t_gemm_ms']:.2f} ms)")
@@ -214,14 +215,15 @@ def _fmt_spread(d, digits=2):
     return f"{d['median']:.{digits}f} [{d['p10']:.{digits}f}-{d['p90']:.{digits}f}]"
 
 
-def _rounds_lines(bench):
-    """The per-round ratios of the overlap benchmark, one line per op."""
-    n = next(iter(bench["ops"].values()))["overlap_over_max_rounds"]["n"]
-    lines = [f"op time / max(comm alone, gemm alone), per round over {n} rounds, median "
-             f"[p10-p90]:", f"{'op':<36}{'overlapped':>20}{'basic':>20}"]
+def _blocks_lines(bench):
+    """The overlap benchmark's ratios over blocks of rounds, one line per op."""
+    first = next(iter(bench["ops"].values()))["overlap_over_max_blocks"]
+    lines = [f"op time / max(comm alone, gemm alone) per block of {first['rounds_per_block']} "
+             f"rounds, {first['n']} blocks, median [p10-p90]:",
+             f"{'op':<36}{'overlapped':>20}{'basic':>20}"]
     for row in bench["ops"].values():
-        lines.append(f"{row['label']:<36}{_fmt_spread(row['overlap_over_max_rounds']):>20}"
-                     f"{_fmt_spread(row['basic_over_max_rounds']):>20}")
+        lines.append(f"{row['label']:<36}{_fmt_spread(row['overlap_over_max_blocks']):>20}"
+                     f"{_fmt_spread(row['basic_over_max_blocks']):>20}")
     return lines
 
 
@@ -325,8 +327,8 @@ def summary_text(results):
                          f"{row['t_basic_ms']:>7.2f}{row['hidden']:>8.0%}"
                          f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}"
                          f"{row['schedule_ceiling']:>19.0%}{cpu:>6}")
-        if all("overlap_over_max_rounds" in row for row in bench["ops"].values()):
-            lines += [""] + _rounds_lines(bench)
+        if all("overlap_over_max_blocks" in row for row in bench["ops"].values()):
+            lines += [""] + _blocks_lines(bench)
     tl = results.get("timeline")
     if tl:
         lines += [""] + _timeline_lines(tl)

@@ -1,9 +1,9 @@
 """The profile reports distributions, not single recordings: the overlap benchmark's ratios
-round by round, the timeline over all its recordings; and its plots draw them.
+per block of rounds, the timeline over all its recordings; and its plots draw them.
 
 The summaries are fed made-up per-rank numbers whose answer is known (so a ratio of medians
-passed off as a median of ratios, or the faster rank taken for the slower, fails here); the
-plots are fed small synthetic results.
+or a single round passed off as a block's, or the faster rank taken for the slower, fails
+here); the plots are fed small synthetic results.
 """
 import pytest
 
@@ -24,31 +24,34 @@ def _bench_rank(times, slow=1.0):
             "raw": {name: raw for name in bench_overlap.OPS}, "device": "cpu"}
 
 
-def test_overlap_ratios_are_per_round_from_the_slowest_rank_of_that_round():
-    """Round i: comm alone c_i, GEMM alone g_i, overlapped o_i, basic b_i; the ratio is
-    o_i / max(c_i, g_i) on the slowest rank's times. The rounds are built so that the median
-    of the per-round ratios (1.5) is not the ratio of the medians (1.2 / 1.0)."""
-    comm = [0.2, 0.2, 0.2, 0.2, 0.2]
-    gemm = [2.0, 1.0, 1.0, 0.5, 1.0]  # max(c, g) per round; median 1.0
-    overlap = [3.0, 1.1, 1.2, 1.0, 1.8]  # ratios 1.5, 1.1, 1.2, 2.0, 1.8; median 1.2
-    basic = [4.0, 2.0, 3.0, 1.0, 2.0]  # ratios 2, 2, 3, 2, 2
-    seq = [2.3, 1.3, 1.3, 0.8, 1.3]
+def test_overlap_ratios_are_per_block_of_rounds_from_the_slowest_rank():
+    """Three blocks of 5 rounds. Each block's ratio is median(T_overlap) / max(median(T_comm),
+    median(T_gemm)) over its own rounds, on the slowest rank's times: 1.5, 1.2 and 1.3. The
+    first block holds one very slow and one impossibly fast round (ratios 9 and 0.1): its
+    median ignores them, and no block's ratio is theirs."""
+    k = bench_overlap.ROUNDS_PER_BLOCK
+    assert k == 5, "the rounds below are laid out in blocks of 5"
+    comm = [0.2] * 15
+    gemm = [1.0] * 5 + [2.0] * 5 + [1.0] * 5
+    overlap = [1.5, 1.5, 9.0, 1.5, 0.1] + [2.4] * 5 + [1.3] * 5
+    basic = [2.0] * 5 + [4.0] * 5 + [2.0] * 5  # 2.0 in every block
+    seq = [1.3] * 15
     times = {"comm": comm, "gemm": gemm, "seq": seq, "overlap": overlap, "basic": basic}
     slower = _bench_rank(times)
     faster = _bench_rank(times, slow=0.5)  # every time half: the summary must take the other
     out = bench_overlap.summarize([faster, slower])
     for name in bench_overlap.OPS:
         row = out["ops"][name]
-        got = row["overlap_over_max_rounds"]
-        assert set(KEYS) <= set(got), sorted(got)
-        assert got["values"] == pytest.approx([1.5, 1.1, 1.2, 2.0, 1.8]), got["values"]
+        got = row["overlap_over_max_blocks"]
+        assert set(KEYS) <= set(got) and got["rounds_per_block"] == k, sorted(got)
+        assert got["values"] == pytest.approx([1.5, 1.2, 1.3]), got["values"]
         assert (got["n"], got["median"], got["min"], got["max"]) == \
-            (5, pytest.approx(1.5), pytest.approx(1.1), pytest.approx(2.0)), got
+            (3, pytest.approx(1.3), pytest.approx(1.2), pytest.approx(1.5)), got
         assert got["p10"] <= got["median"] <= got["p90"], got
-        basic_got = row["basic_over_max_rounds"]
-        assert basic_got["median"] == pytest.approx(2.0) and basic_got["n"] == 5, basic_got
-        # The ratio of the medians, still reported, is a different number here.
-        assert row["overlap_over_max"] == pytest.approx(1.2 / 1.0), row["overlap_over_max"]
+        basic_got = row["basic_over_max_blocks"]
+        assert basic_got["values"] == pytest.approx([2.0] * 3), basic_got
+        # The ratio of the medians over all 15 rounds, still reported: 1.5 / max(0.2, 1.0).
+        assert row["overlap_over_max"] == pytest.approx(1.5), row["overlap_over_max"]
 
 
 def _spans(total, blocked, posting):
@@ -113,8 +116,8 @@ def _dist(values):
 
 def test_plots_draw_the_distributions_and_the_tp_no_sp_bar_from_synthetic_results(tmp_path):
     row = {"label": "AG+GEMM, column forward", "t_comm_ms": 1.0, "t_gemm_ms": 2.0,
-           "overlap_over_max_rounds": _dist([1.1, 1.2, 1.4]),
-           "basic_over_max_rounds": _dist([1.5, 1.6, 1.9])}
+           "overlap_over_max_blocks": {**_dist([1.1, 1.2, 1.4]), "rounds_per_block": 5},
+           "basic_over_max_blocks": {**_dist([1.5, 1.6, 1.9]), "rounds_per_block": 5}}
     bench = {"shape": {"s": 8, "b": 2, "h": 16, "f": 32, "p": 2},
              "ops": {"column_fwd": row, "row_fwd": {**row, "label": "GEMM+RS, row forward"}}}
     plots.plot_overlap(bench, str(tmp_path / "overlap.png"), "loopback")

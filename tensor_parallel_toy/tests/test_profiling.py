@@ -27,7 +27,7 @@ TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidde
 
 
 def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
-    flags = [*TINY, "--bench-iters", "3", "--timeline-iters", "3"]  # distributions of 3
+    flags = [*TINY, "--bench-iters", "12", "--timeline-iters", "3"]  # 3 blocks, 3 recordings
     args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
     args.argv = flags
     results = phases.run_phases(phases.PoolRunner(pools(2)), args)
@@ -57,8 +57,8 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
         saved["modes"]["baseline"]["memory_per_rank"][0]["param_bytes"]
     assert sorted(saved["overlap_benchmark"]["ops"]) == sorted(OPS)
     for name, row in saved["overlap_benchmark"]["ops"].items():
-        for key in ("overlap_over_max_rounds", "basic_over_max_rounds"):
-            d = row[key]
+        for key in ("overlap_over_max_blocks", "basic_over_max_blocks"):
+            d = row[key]  # blocks of 5, 5 and 2 rounds
             assert d["n"] == 3 == len(d["values"]) and d["p10"] <= d["median"] <= d["p90"], \
                 (name, key, d)
     assert set(saved["timeline"]["spans"]) == {"tp", "tp_overlap"}
@@ -77,7 +77,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     assert act["tp"] < classic["memory_per_rank"][0]["saved_activation_bytes"] < \
         act["baseline"], (act, classic["memory_per_rank"])
     assert "tp_no_sp (classic TP without sequence parallelism" in summary
-    assert "per round over 3 rounds" in summary and "3 recordings per mode" in summary
+    assert "per block of 5 rounds, 3 blocks" in summary and "3 recordings per mode" in summary
     assert len(saved["targets"]) == 4
     assert "targets:" in summary
     for name, r in saved["ratios"].items():  # every pair, paired over the same timed steps
