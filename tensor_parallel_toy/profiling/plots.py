@@ -142,7 +142,7 @@ def _spread(ax, x, dist, color, label, width, top):
     above = [(x + o, top) for o, v in zip(offsets, values) if v > top]
     for points, marker in ((inside, "."), (above, "^")):
         if points:
-            ax.plot(*zip(*points), marker, color=color, markersize=3 if marker == "." else 5,
+            ax.plot(*zip(*points), marker, color=color, markersize=4 if marker == "." else 5,
                     alpha=0.6, linestyle="none")
     if above:
         ax.annotate(f"+{len(above)}", (x, top), xytext=(0, 5), textcoords="offset points",
