@@ -13,10 +13,15 @@ built parallel from the start), so each block's two are given, here, a subclass 
 the declarations. The same step of the baseline runs beside it, on the same batch and weights:
 its loss must come out the same, or this would not be the same model split another way.
 
-Per rank, with classic TP over p ranks (s, b: the batch; h, f: hidden and MLP sizes):
+Per rank, with classic TP over p ranks (s, b: the batch; h, f: hidden and MLP sizes; V: the
+vocabulary):
     between the layers  [s, b, h]   whole on every rank (under SP: [s/p, b, h])
     inside attention    q, k, v, scores, output of the heads: [..., h/p] or heads/p
     inside the MLP      [s, b, f/p] before and after the activation
+    head and loss       [s, b, V]   whole: only the blocks are converted, so the embedding, the
+                                    head and the loss stay as the baseline's (under the
+                                    package's TP: vocabulary-parallel, [s, b, V/p])
+The difference to the `tp` mode is therefore sequence parallelism plus the vocabulary split.
 """
 import torch.distributed as dist
 
