@@ -22,6 +22,12 @@ on a graph built once, so the code timed is the package's own.
     hidden = (T_seq - T_overlap) / min(T_comm, T_gemm)   1.0: all the hideable time is hidden
     T_overlap / max(T_comm, T_gemm)                      1.0: the physical limit of overlap
 
+The five variants run once per round, interleaved, so rounds close in time are paired
+samples: besides the ratio of the medians, `overlap_over_max_blocks` and
+`basic_over_max_blocks` give the spread of T_overlap / max(T_comm, T_gemm) and
+T_basic / max(T_comm, T_gemm) over blocks of ROUNDS_PER_BLOCK consecutive rounds, each block's
+ratio from the medians of its own rounds (the slowest rank of each variant in each round).
+
 T_seq can come out longer than T_comm + T_gemm: the first rank done with its exchange starts
 its GEMM while its peer is still exchanging, and on CPU the peer's transfer then slows down (a
 barrier between exchange and GEMM removes the effect; presumably the GEMM holds the core that
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from ..initialize import current_device
 from ..parallel_linear import column_parallel_linear, row_parallel_linear
 from ..ring import Ring, ring_reduce_scatter
+from .metrics import summarize as distribution
 from .metrics import synchronize
 
 OPS = {
@@ -54,6 +61,7 @@ OPS = {
 }
 VARIANTS = ("comm", "gemm", "seq", "overlap", "basic")
 TARGET_COMM_OVER_GEMM = 0.4  # calibration: comm is 40% of the GEMM (why: see choose_ffn)
+ROUNDS_PER_BLOCK = 5  # rounds per ratio in the spread of op time / max(comm, GEMM)
 
 
 def _forward(op, x, w, group):
@@ -239,6 +247,22 @@ def _schedule_time(t_comm, t_gemm, p):
     return (p - 1) * max(t_gemm / p, t_comm / (p - 1)) + t_gemm / p
 
 
+def _over_max_blocks(slowest, variant, k=ROUNDS_PER_BLOCK):
+    """T_variant / max(T_comm, T_gemm) per block of k consecutive rounds (the last one may be
+    shorter), each from the medians of that block's own times: {median, p10, ..., n (blocks),
+    rounds_per_block, values}.
+
+    Why blocks and not single rounds: on a CPU one call's time jitters by 20-30 %, the alone
+    times' as much as the op's, so a one-round ratio can fall below 1.0, which no op can beat;
+    the median of k rounds damps that jitter, while load that drifts over seconds still hits
+    the op and its reference alike."""
+    ratios = []
+    for start in range(0, len(slowest["comm"]), k):
+        med = {v: _median(slowest[v][start:start + k]) for v in (variant, "comm", "gemm")}
+        ratios.append(med[variant] / max(med["comm"], med["gemm"]))
+    return {**distribution(ratios), "rounds_per_block": k, "values": ratios}
+
+
 def summarize(per_rank):
     """Combine the ranks' raw times (slowest rank per iteration) into the reported numbers."""
     first = per_rank[0]
@@ -270,6 +294,8 @@ def summarize(per_rank):
                # is already computing) must not count as hiding: the target uses this one.
                "hidden_conservative": min(hidden, hidden_vs_parts),
                "overlap_over_max": t["overlap"] / max(t["comm"], t["gemm"]),
+               "overlap_over_max_blocks": _over_max_blocks(slowest, "overlap"),
+               "basic_over_max_blocks": _over_max_blocks(slowest, "basic"),
                "comm_over_gemm": t["comm"] / t["gemm"],
                "schedule_ceiling": ceiling}
         if first["device"] == "cpu":

@@ -1,7 +1,8 @@
 """The profile's phases on the ranks, and its output files.
 
 `run_phases(runner, args)` runs, on every rank, the interleaved training of all modes
-(train.py), the per-op overlap benchmark and the timeline, and turns the per-rank numbers into
+(train.py), one step of classic TP without sequence parallelism for its memory (tp_no_sp.py),
+the per-op overlap benchmark and the timeline, and turns the per-rank numbers into
 results.json's sections (report.py). A runner is where the ranks are: a local `WorkerPool`
 (`PoolRunner`) or the ranks of a torchrun job, this process being one of them
 (`TorchrunRunner`). `write_outputs` renders every file into a staging folder and moves them
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import bench_overlap, link, plots, report, timeline, train
+from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train
 from .output import write_text
 
 PHASE_TIMEOUT_S = 3600.0
@@ -114,7 +115,9 @@ def run_phases(runner, args):
                      f"time single TP ops and one block, which data parallelism does not change; "
                      f"run them with --dp 1")
         spec = dataclasses.replace(spec, bench_iters=0, timeline_iters=0)
-    phases = 1 + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
+    classic_skip = ("it runs on one TP group, use --dp 1" if spec.dp > 1
+                    else tp_no_sp.unsupported(spec.config, spec.tp))
+    phases = 1 + (classic_skip is None) + (spec.bench_iters > 0) + (spec.timeline_iters > 0)
     tokens = spec.batch * spec.seq
     load, k = {}, 1
     _say(runner, f"[1/{phases}] {', '.join(spec.modes)}: {spec.steps} steps each, interleaved "
@@ -128,6 +131,14 @@ def run_phases(runner, args):
     report.add_baseline_errors(modes)
     results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes,
                "ratios": report.step_time_ratios(modes, spec.warmup)}
+    if classic_skip is None:
+        k += 1
+        _say(runner, f"[{k}/{phases}] classic TP without sequence parallelism: one step, for its "
+                     f"memory (not a training mode)")
+        results["memory_tp_no_sp"] = tp_no_sp.summarize(runner.run(tp_no_sp.measure, spec),
+                                                        spec.dtype)
+    else:
+        _say(runner, f"skipping classic TP without sequence parallelism: {classic_skip}")
     if spec.bench_iters > 0:
         k += 1
         _say(runner, f"[{k}/{phases}] per-op overlap benchmark ({spec.bench_iters} rounds)")
@@ -145,7 +156,7 @@ def run_phases(runner, args):
         with _LoadMeter(runner) as meter:
             per_rank = runner.run(timeline.record, spec)
         load["timeline"] = meter.cores
-        spans = {mode: [r[mode] for r in per_rank] for mode in per_rank[0]}
+        spans = {mode: [r[mode]["spans"] for r in per_rank] for mode in per_rank[0]}
         results["timeline"] = {"iterations": spec.timeline_iters,
                                "summary": timeline.summarize(per_rank), "spans": spans}
     results["targets"] = report.evaluate_targets(results)
@@ -205,14 +216,14 @@ def _render_outputs(results, out):
     plots.plot_grad_norms(modes, os.path.join(out, "grad_norm.png"))
     network = report.link_label(results["meta"])
     plots.plot_step_times(modes, os.path.join(out, "step_time.png"), network)
-    plots.plot_memory(modes, os.path.join(out, "memory.png"))
+    plots.plot_memory(modes, os.path.join(out, "memory.png"), results.get("memory_tp_no_sp"))
     if "overlap_benchmark" in results:
         plots.plot_overlap(results["overlap_benchmark"], os.path.join(out, "overlap.png"),
                            network)
         files["overlap.png"] = None
     if "timeline" in results:
         plots.plot_timeline(results["timeline"]["spans"], os.path.join(out, "timeline.png"),
-                            "", network)
+                            "", network, results["timeline"]["summary"])
         files["timeline.png"] = None
     if results["config"]["run"].get("trace"):
         files.update({f"trace_{m}_rank{r}.json": None for m in results["modes"]

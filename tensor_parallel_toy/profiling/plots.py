@@ -89,62 +89,135 @@ def plot_step_times(modes, path, network=""):
     save(fig, path)
 
 
-def plot_memory(modes, path):
-    names = list(modes)
+def plot_memory(modes, path, tp_no_sp=None):
+    """Stacked per-rank memory of every mode; with `tp_no_sp` (results.json's memory_tp_no_sp),
+    classic TP without sequence parallelism beside the baseline, hatched: one measured step,
+    not a training mode."""
+    bars = [(m, modes[m]["memory_per_rank"]) for m in modes]
+    if tp_no_sp is not None:
+        at = 1 if "baseline" in modes else 0
+        bars.insert(at, ("tp_no_sp", tp_no_sp["memory_per_rank"]))
+    names = [name for name, _ in bars]
+    hatches = ["//" if name == "tp_no_sp" else None for name in names]
     parts = [("param_bytes", "parameters", "#1f77b4"), ("grad_bytes", "gradients", "#aec7e8"),
              ("optimizer_bytes", "optimizer state", "#ff7f0e"),
              ("saved_activation_bytes", "saved activations", "#2ca02c")]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     bottom = [0.0] * len(names)
     for key, label, color in parts:
-        values = [max(r[key] for r in modes[m]["memory_per_rank"]) / MiB for m in names]
-        ax.bar(names, values, bottom=bottom, label=label, color=color)
+        values = [max(r[key] for r in ranks) / MiB for _, ranks in bars]
+        ax.bar(names, values, bottom=bottom, label=label, color=color, hatch=hatches,
+               edgecolor="white")
         bottom = [b + v for b, v in zip(bottom, values)]
-    for i, m in enumerate(names):
-        cuda = [r.get("cuda_max_allocated_bytes") for r in modes[m]["memory_per_rank"]]
+    for i, (_, ranks) in enumerate(bars):
+        cuda = [r.get("cuda_max_allocated_bytes") for r in ranks]
         if cuda[0] is not None:
             ax.plot(i, max(cuda) / MiB, "k_", markersize=30,
                     label="CUDA max allocated" if i == 0 else None)
         ax.annotate(f"{bottom[i]:.1f}", (i, bottom[i]), xytext=(0, 3),
                     textcoords="offset points", ha="center", fontsize=8)
     ax.set_ylabel("MiB per rank (largest rank)")
-    ax.set_title("Memory per rank: state, and activations saved for backward")
+    title = "Memory per rank: state, and activations saved for backward"
+    if tp_no_sp is not None:
+        title += ("\nhatched: classic TP without sequence parallelism, the baseline converted "
+                  "by apply_tensor_parallel, one step")
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     ax.margins(y=0.15)
     save(fig, path)
+
+
+def _spread(ax, x, dist, color, label, width, top):
+    """One distribution at `x`: a bar to the median, a p10-p90 whisker, and every value as a
+    dot (spread sideways, in a fixed pattern, so that equal values stay visible). Values above
+    `top` are drawn at it as triangles, their count above them: one slow round must not flatten
+    the rest of the figure."""
+    ax.bar(x, dist["median"], width, color=color, alpha=0.35, label=label)
+    ax.errorbar(x, dist["median"], yerr=[[dist["median"] - dist["p10"]],
+                                         [dist["p90"] - dist["median"]]],
+                color=color, capsize=5, linewidth=1.5)
+    values = dist.get("values", [])
+    offsets = [(i % 7 - 3) / 7 * width * 0.8 for i in range(len(values))]
+    inside = [(x + o, v) for o, v in zip(offsets, values) if v <= top]
+    above = [(x + o, top) for o, v in zip(offsets, values) if v > top]
+    for points, marker in ((inside, "."), (above, "^")):
+        if points:
+            ax.plot(*zip(*points), marker, color=color, markersize=4 if marker == "." else 5,
+                    alpha=0.6, linestyle="none")
+    if above:
+        ax.annotate(f"+{len(above)}", (x, top), xytext=(0, 5), textcoords="offset points",
+                    ha="center", fontsize=7, color=color)
+    ax.annotate(f"{dist['median']:.2f}", (x, dist["p90"]), xytext=(0, 3),
+                textcoords="offset points", ha="center", fontsize=7)
 
 
 def plot_overlap(bench, path, network=""):
+    """Per op, the package's op time over max(comm alone, GEMM alone), one dot per block of
+    rounds: the overlapped schedule and the basic one (whole collectives). 1.0 is the physical
+    limit: an op cannot take less than the longer of its transfers and its GEMMs."""
     ops = list(bench["ops"])
-    variants = [("t_comm_ms", "comm alone"), ("t_gemm_ms", "GEMM alone"),
-                ("t_seq_ms", "sequential"), ("t_overlap_ms", "overlapped")]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.2
-    for j, (key, label) in enumerate(variants):
-        ax.bar([i + (j - 1.5) * width for i in range(len(ops))],
-               [bench["ops"][o][key] for o in ops], width, label=label)
-    for i, o in enumerate(ops):
+    series = [("overlap_over_max_blocks", "overlapped", STYLE["tp_overlap"][0]),
+              ("basic_over_max_blocks", "basic (whole collectives)", STYLE["tp"][0])]
+    width = 0.35
+    top = 1.4 * max(bench["ops"][o][key]["p90"] for o in ops for key, _, _ in series)
+    top = max(top, 1.2)
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    for j, (key, label, color) in enumerate(series):
+        for i, o in enumerate(ops):
+            _spread(ax, i + (j - 0.5) * width, bench["ops"][o][key], color,
+                    label if i == 0 else None, width, top)
+    ax.axhline(1.0, color="k", linewidth=1, linestyle="--",
+               label="1.0: the physical limit, max(comm alone, GEMM alone)")
+    ticks = []
+    for o in ops:
         row = bench["ops"][o]
-        ax.annotate(f"hidden {row['hidden']:.0%}", (i, max(row["t_seq_ms"], row["t_overlap_ms"])),
-                    xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
-    ax.set_xticks(range(len(ops)), [bench["ops"][o]["label"].replace(", ", "\n") for o in ops],
-                  fontsize=8)
+        longer = "comm" if row["t_comm_ms"] > row["t_gemm_ms"] else "GEMM"
+        ticks.append(f"{row['label'].replace(', ', chr(10))}\nmax: {longer} "
+                     f"{max(row['t_comm_ms'], row['t_gemm_ms']):.2f} ms")
+    ax.set_xticks(range(len(ops)), ticks, fontsize=8)
+    first = bench["ops"][ops[0]][series[0][0]]
     shape = bench["shape"]
-    ax.set_ylabel("ms (median, slowest rank)")
-    ax.set_title(f"Per-op overlap, s={shape['s']} b={shape['b']} h={shape['h']} "
-                 f"f={shape['f']} p={shape['p']}" + (f", {network}" if network else ""))
-    ax.legend(fontsize=8)
-    ax.margins(y=0.15)
+    ax.set_ylabel("op time / max(comm alone, GEMM alone)")
+    ax.set_ylim(0, top * 1.1)
+    ax.set_title(f"Per-op overlap: a dot per block of {first['rounds_per_block']} rounds "
+                 f"({first['n']} blocks; bar: median, whisker: p10-p90; slowest rank)\n"
+                 f"s={shape['s']} b={shape['b']} h={shape['h']} f={shape['f']} p={shape['p']}"
+                 + (f", {network}" if network else ""), fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     save(fig, path)
 
 
-def plot_timeline(spans_by_mode, path, title_extra="", network=""):
-    """Gantt chart: one panel per mode, rows = (rank, compute) and (rank, comm)."""
+def _recordings_strip(ax, over, color):
+    """Every recording of one mode as a dot, its block time and its time blocked in
+    communication (slowest rank of each recording); a tick at each median."""
+    rows = [("total_ms", "block total"), ("blocked_in_comm_ms", "blocked in comm")]
+    for y, (key, _) in enumerate(rows):
+        dist = over[key]
+        ax.plot(dist["values"], [y] * len(dist["values"]), "o", color=color, markersize=4,
+                alpha=0.6)
+        ax.plot([dist["median"]] * 2, [y - 0.3, y + 0.3], color="k", linewidth=1.5)
+    ax.set_yticks(range(len(rows)), [label for _, label in rows], fontsize=8)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_title(f"{over['total_ms']['n']} recordings (|: median)", fontsize=9, loc="left")
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def plot_timeline(spans_by_mode, path, title_extra="", network="", summary=None):
+    """Gantt chart: one panel per mode, rows = (rank, compute) and (rank, comm). With `summary`
+    (results.json's timeline.summary), a strip beside each panel shows every recording."""
     modes = list(spans_by_mode)
     ranks = len(spans_by_mode[modes[0]])
     end = max(s["end"] for m in modes for r in spans_by_mode[m] for s in r)
-    fig, axes = plt.subplots(len(modes), 1, figsize=(12, 1.0 + 1.1 * ranks * len(modes)),
-                             sharex=True, squeeze=False)
+    strips = summary is not None and all("over_recordings" in summary[m] for m in modes)
+    fig, axes = plt.subplots(len(modes), 2 if strips else 1,
+                             figsize=(15 if strips else 12, 1.0 + 1.1 * ranks * len(modes)),
+                             sharex="col", squeeze=False,
+                             gridspec_kw={"width_ratios": [5, 1]} if strips else None)
+    if strips:
+        for ax, mode in zip(axes[:, 1], modes):
+            _recordings_strip(ax, summary[mode]["over_recordings"],
+                              STYLE.get(mode, ("k",))[0])
+        axes[-1, 1].set_xlabel("ms")
     for ax, mode in zip(axes[:, 0], modes):
         labels = []
         for rank, spans in enumerate(spans_by_mode[mode]):
@@ -164,8 +237,8 @@ def plot_timeline(spans_by_mode, path, title_extra="", network=""):
                                alpha=0.55 if s["row"] == "comm" else 1.0,
                                hatch="///" if s["kind"] == "wait" else None)
         total = max(s["end"] for r in spans_by_mode[mode] for s in r if s["kind"] == "end")
-        ax.set_title(f"{mode}: {total:.1f} ms for one block forward + backward "
-                     f"(dotted line: end of forward)", fontsize=10, loc="left")
+        ax.set_title(f"{mode}: {total:.1f} ms for one block forward + backward, the median "
+                     f"recording (dotted line: end of forward)", fontsize=10, loc="left")
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)

@@ -107,7 +107,10 @@ def evaluate_targets(results):
                     f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU, "
                     f"{op['comm_cpu_posting_thread_ms']:.2f} ms of it in the posting thread, "
                     f"the rest on a core that also runs a rank's GEMM")
-        note = (f"hidden {op['hidden']:.0%} of the hideable time against the sequential run "
+        blocks = op["overlap_over_max_blocks"]
+        note = (f"per block of {blocks['rounds_per_block']} rounds: {_fmt_spread(blocks)} "
+                f"(median [p10-p90] of {blocks['n']}); "
+                f"hidden {op['hidden']:.0%} of the hideable time against the sequential run "
                 f"({op['t_seq_ms']:.2f} ms), {op['hidden_vs_parts']:.0%} against comm + GEMM "
                 f"alone ({op['t_comm_ms'] + op['t_gemm_ms']:.2f} ms)")
         if not link:
@@ -138,14 +141,14 @@ def evaluate_targets(results):
             met, short = high <= limit, high - limit
         why = None
         if tl:
-            t, o = tl["summary"]["tp"], tl["summary"]["tp_overlap"]
-            blocked = max(x["blocked_in_comm_ms"] for x in t["per_rank"])
-            why = (f"timeline of one block: tp {t['total_ms']:.1f} ms of which "
-                   f"{blocked:.1f} ms blocked in communication (hiding all of it would give "
-                   f"{(t['total_ms'] - blocked) / t['total_ms']:.2f} x tp); tp_overlap "
-                   f"{o['total_ms']:.1f} ms, still blocked "
-                   f"{max(x['blocked_in_comm_ms'] for x in o['per_rank']):.1f} ms and posting "
-                   f"{max(x['posting_ms'] for x in o['per_rank']):.1f} ms")
+            t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
+            total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
+            why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
+                   f"(slowest rank): tp {total:.1f} ms of which {blocked:.1f} ms blocked in "
+                   f"communication (hiding all of it would give {(total - blocked) / total:.2f}"
+                   f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still blocked "
+                   f"{o['blocked_in_comm_ms']['median']:.1f} ms and posting "
+                   f"{o['posting_ms']['median']:.1f} ms")
         out.append(_target(name, r["ratio"], met, None if met else short, why,
                            f"{_fmt_ratio(r)}; " + _overlap_gain_note(bench) if bench
                            else _fmt_ratio(r), interval=r["ci95"]))
@@ -207,6 +210,56 @@ def _fmt_ms(seconds):
     return f"{seconds * 1e3:.1f}"
 
 
+def _fmt_spread(d, digits=2):
+    """A distribution (metrics.summarize) as `median [p10-p90]`."""
+    return f"{d['median']:.{digits}f} [{d['p10']:.{digits}f}-{d['p90']:.{digits}f}]"
+
+
+def _blocks_lines(bench):
+    """The overlap benchmark's ratios over blocks of rounds, one line per op."""
+    first = next(iter(bench["ops"].values()))["overlap_over_max_blocks"]
+    lines = [f"op time / max(comm alone, gemm alone) per block of {first['rounds_per_block']} "
+             f"rounds, {first['n']} blocks, median [p10-p90]:",
+             f"{'op':<36}{'overlapped':>20}{'basic':>20}"]
+    for row in bench["ops"].values():
+        lines.append(f"{row['label']:<36}{_fmt_spread(row['overlap_over_max_blocks']):>20}"
+                     f"{_fmt_spread(row['basic_over_max_blocks']):>20}")
+    return lines
+
+
+def _timeline_lines(tl):
+    """The timeline over all its recordings if results.json has them, else the drawn one."""
+    summary = tl["summary"]
+    if not all("over_recordings" in s for s in summary.values()):
+        parts = [f"{mode} {s['total_ms']:.1f} ms (blocked in comm "
+                 f"{max(r['blocked_in_comm_ms'] for r in s['per_rank']):.1f} ms)"
+                 for mode, s in summary.items()]
+        return ["timeline, one block forward + backward (median of "
+                f"{tl['iterations']} recordings): " + ", ".join(parts)]
+    lines = [f"timeline, one block forward + backward, {tl['iterations']} recordings per mode, "
+             f"slowest rank of each, ms, median [p10-p90] (the median recording is drawn):"]
+    for mode, s in summary.items():
+        over = s["over_recordings"]
+        lines.append(f"  {mode:<11} total {_fmt_spread(over['total_ms'], 1)}, blocked in comm "
+                     f"{_fmt_spread(over['blocked_in_comm_ms'], 1)}, posting "
+                     f"{_fmt_spread(over['posting_ms'], 1)}, min-max total "
+                     f"{over['total_ms']['min']:.1f}-{over['total_ms']['max']:.1f}")
+    return lines
+
+
+def _tp_no_sp_line(classic, modes):
+    mem = max(classic["memory_per_rank"], key=lambda m: m["saved_activation_bytes"])
+    state = mem["param_bytes"] + mem["grad_bytes"] + mem["optimizer_bytes"]
+    activations = {m: max(r["saved_activation_bytes"] for r in modes[m]["memory_per_rank"])
+                   for m in ("baseline", "tp") if m in modes}
+    others = ", ".join(f"{m} {b / MiB:.1f}" for m, b in activations.items())
+    return (f"tp_no_sp (classic TP without sequence parallelism, TP={classic['tp']}, one step, "
+            f"not trained): saved activations {mem['saved_activation_bytes'] / MiB:.1f} MiB/rank"
+            + (f" ({others})" if others else "") + f", state {state / MiB:.1f} MiB; step-0 loss "
+            f"{classic['loss']:.4f}, {classic['loss_rel_diff_vs_baseline']:.1e} relative to the "
+            f"baseline's {classic['baseline_loss']:.4f}")
+
+
 def summary_text(results):
     meta, run = results["meta"], results["config"]["run"]
     model = results["config"]["model"]
@@ -252,6 +305,8 @@ def summary_text(results):
         lines.append(f"{mode:<11}{losses:>17}{(f'{max(dloss):.1e}' if dloss else '-'):>15}"
                      f"{d['grad_norm'][-1]:>11.4f}{(f'{max(dnorm):.1e}' if dnorm else '-'):>15}"
                      f"{step:>27}{d['tokens_per_s']:>10.0f}{memory:>33}")
+    if results.get("memory_tp_no_sp"):
+        lines += ["", _tp_no_sp_line(results["memory_tp_no_sp"], results["modes"])]
     if results.get("ratios"):
         lines += ["", "step-time ratios, median of paired interleaved steps [bootstrap 95% "
                       "interval]: " + ", ".join(f"{k} {_fmt_ratio(r)}"
@@ -272,13 +327,11 @@ def summary_text(results):
                          f"{row['t_basic_ms']:>7.2f}{row['hidden']:>8.0%}"
                          f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}"
                          f"{row['schedule_ceiling']:>19.0%}{cpu:>6}")
+        if all("overlap_over_max_blocks" in row for row in bench["ops"].values()):
+            lines += [""] + _blocks_lines(bench)
     tl = results.get("timeline")
     if tl:
-        parts = [f"{mode} {s['total_ms']:.1f} ms (blocked in comm "
-                 f"{max(r['blocked_in_comm_ms'] for r in s['per_rank']):.1f} ms)"
-                 for mode, s in tl["summary"].items()]
-        lines += ["", "timeline, one block forward + backward (median of "
-                      f"{tl['iterations']} recordings): " + ", ".join(parts)]
+        lines += [""] + _timeline_lines(tl)
     lines += ["", "targets:"]
     for t in results["targets"]:
         status = {True: "met   ", False: "MISSED", None: "n/a   "}[t["met"]]

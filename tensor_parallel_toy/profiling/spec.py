@@ -45,7 +45,7 @@ class ProfileSpec:
     bench_iters: int = 60  # timed rounds per op in the overlap benchmark; 0 skips it
     bench_warmup: int = 3  # untimed rounds before them
     bench_shape: Optional[Tuple[int, int, int, int]] = None  # S, B, H, F; None: calibrated
-    timeline_iters: int = 5  # timeline recordings per mode; 0 skips it
+    timeline_iters: int = 11  # timeline recordings per mode; 0 skips it
     trace_dir: Optional[str] = None  # where torch.profiler traces go; None: no trace
     progress: bool = True  # print a line per mode on rank 0
 

@@ -22,7 +22,8 @@ The limits, per step and per rank (no run can be faster than either):
   collectives send more (measured ~17.6 against ~13.1 MiB per step at the profile's defaults),
   so the comm-bound of tp is drawn from its measured bytes as well.
 - compute-bound = tp's step time over loopback x (1 - blocked / total) of the loopback
-  timeline's block: the step without the time the ranks sat blocked in communication. On this
+  timeline's block (medians over its recordings, slowest rank of each): the step without the
+  time the ranks sat blocked in communication. On this
   CPU a transfer's own CPU work stays in it (it is not hideable here, see the README).
 """
 import json
@@ -89,19 +90,20 @@ def run(argv, args, threads):
 
 
 def summarize(points, loopback, args):
-    tl = loopback["timeline"]["summary"]["tp"]
-    blocked = max(r["blocked_in_comm_ms"] for r in tl["per_rank"])
+    tl = loopback["timeline"]["summary"]["tp"]["over_recordings"]
+    blocked, total = tl["blocked_in_comm_ms"]["median"], tl["total_ms"]["median"]
     tp_loopback = loopback["modes"]["tp"]["step_time"]["median"]
     derived = bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
     return {"rates": points,
             "loopback": {mode: _step_stats(loopback, mode) for mode in MODES},
             "loopback_ratio": loopback["ratios"]["tp_overlap/tp"],
             "bytes_per_step_derived": derived,
-            "compute_bound_s": tp_loopback * (1 - blocked / tl["total_ms"]),
+            "compute_bound_s": tp_loopback * (1 - blocked / total),
             "definitions": {
                 "comm_bound_s": "bytes_per_step_derived * 8 / rate",
                 "compute_bound_s": "loopback tp median step x (1 - blocked / total) of the "
-                                   "loopback timeline's block (tp)",
+                                   "loopback timeline's block (tp), medians over its "
+                                   "recordings",
                 "veth_tx_bytes_per_step": "median over the timed steps of the bytes the "
                                           "busier rank's interface sent during the step "
                                           "(TCP/IP and Ethernet headers included, ~4.6 % at "

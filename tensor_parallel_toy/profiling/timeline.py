@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import comm
 from ..initialize import current_device
 from ..model import TransformerBlock, rotary_tables
+from .metrics import summarize as distribution
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
 SPAN_NAMES = {"ring": "send/recv"}  # a transfer's span is named by its kind, a ring step's so
@@ -156,8 +157,9 @@ def _record_once(block, x_in, dy, cos, sin, device, group):
 def record(spec):
     """On every rank: one TransformerBlock's forward + backward, without and with overlap,
     recorded `spec.timeline_iters` times each (interleaved, so a burst of load from outside
-    hits both alike); keeps, per mode, the recording whose slowest-rank time is the median.
-    Returns {"tp": spans, "tp_overlap": spans}, this rank's spans in ms."""
+    hits both alike). Keeps, per mode, the spans of the recording whose slowest-rank time is
+    the median, and the numbers (`span_totals`) of every recording.
+    Returns {mode: {"spans": this rank's spans in ms, "recordings": [span_totals, ...]}}."""
     group, device = dist.group.WORLD, current_device()
     p, config = dist.get_world_size(group), spec.config
     dtype = spec.torch_dtype
@@ -186,23 +188,39 @@ def record(spec):
         totals = torch.tensor([max(s["end"] for s in spans) for spans in runs[mode]],
                               dtype=torch.float64)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=group)  # same choice on all ranks
-        out[mode] = runs[mode][int(totals.argsort()[len(totals) // 2])]
+        out[mode] = {"spans": runs[mode][int(totals.argsort()[len(totals) // 2])],
+                     "recordings": [span_totals(spans) for spans in runs[mode]]}
     return out
 
 
+def span_totals(spans):
+    """One rank's recording in a few numbers (ms): the block's time, and how long the host was
+    blocked waiting for communication, posting transfers, and in GEMMs, and the transfers'
+    bars added up."""
+    def length(keep):
+        return sum(s["end"] - s["start"] for s in spans if keep(s))
+    return {"total_ms": max(s["end"] for s in spans if s["kind"] == "end"),
+            "blocked_in_comm_ms": length(lambda s: s["kind"] == "wait"),
+            "gemm_ms": length(lambda s: s["kind"] == "gemm"),
+            "posting_ms": length(lambda s: s["kind"] == "post"),
+            "comm_span_ms": length(lambda s: s["row"] == "comm")}
+
+
+DISTRIBUTED = ("total_ms", "blocked_in_comm_ms", "posting_ms")  # over recordings, in summarize
+
+
 def summarize(per_rank):
-    """Per mode: the block's time (slowest rank), and per rank the time the host was blocked
-    waiting for communication, spent posting transfers, and spent in GEMMs."""
+    """Per mode: the drawn recording's block time (slowest rank) and its numbers per rank, and
+    over all recordings (`over_recordings`), each of DISTRIBUTED as {median, p10, p90, min,
+    max, n, values}, where a recording's value is its slowest rank's."""
     result = {}
     for mode in per_rank[0]:
-        ranks = []
-        for spans in (r[mode] for r in per_rank):
-            total = max(s["end"] for s in spans if s["kind"] == "end")
-            blocked = sum(s["end"] - s["start"] for s in spans if s["kind"] == "wait")
-            gemm = sum(s["end"] - s["start"] for s in spans if s["kind"] == "gemm")
-            comm = sum(s["end"] - s["start"] for s in spans if s["row"] == "comm")
-            posting = sum(s["end"] - s["start"] for s in spans if s["kind"] == "post")
-            ranks.append({"total_ms": total, "blocked_in_comm_ms": blocked, "gemm_ms": gemm,
-                          "posting_ms": posting, "comm_span_ms": comm})
-        result[mode] = {"total_ms": max(r["total_ms"] for r in ranks), "per_rank": ranks}
+        ranks = [span_totals(r[mode]["spans"]) for r in per_rank]
+        recordings = list(zip(*(r[mode]["recordings"] for r in per_rank)))  # [rec][rank]
+        over = {}
+        for key in DISTRIBUTED:
+            values = [max(rank[key] for rank in rec) for rec in recordings]
+            over[key] = {**distribution(values), "values": values}
+        result[mode] = {"total_ms": max(r["total_ms"] for r in ranks), "per_rank": ranks,
+                        "over_recordings": over}
     return result

@@ -27,8 +27,9 @@ TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidde
 
 
 def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
-    args = profile.parse_args([*TINY, "--out", str(tmp_path)], env={})
-    args.argv = TINY
+    flags = [*TINY, "--bench-iters", "12", "--timeline-iters", "3"]  # 3 blocks, 3 recordings
+    args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
+    args.argv = flags
     results = phases.run_phases(phases.PoolRunner(pools(2)), args)
     results["meta"]["runtime_s"] = 0.0
     summary = phases.write_outputs(results, str(tmp_path))
@@ -55,7 +56,28 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
     assert saved["modes"]["tp"]["memory_per_rank"][0]["param_bytes"] < \
         saved["modes"]["baseline"]["memory_per_rank"][0]["param_bytes"]
     assert sorted(saved["overlap_benchmark"]["ops"]) == sorted(OPS)
+    for name, row in saved["overlap_benchmark"]["ops"].items():
+        for key in ("overlap_over_max_blocks", "basic_over_max_blocks"):
+            d = row[key]  # blocks of 5, 5 and 2 rounds
+            assert d["n"] == 3 == len(d["values"]) and d["p10"] <= d["median"] <= d["p90"], \
+                (name, key, d)
     assert set(saved["timeline"]["spans"]) == {"tp", "tp_overlap"}
+    for mode, tl in saved["timeline"]["summary"].items():
+        for key, d in tl["over_recordings"].items():
+            assert d["n"] == 3 == len(d["values"]), (mode, key, d)
+            assert d["min"] <= d["p10"] <= d["median"] <= d["p90"] <= d["max"], (mode, key, d)
+        # The recording drawn is the median one of the slowest rank's block times.
+        assert tl["total_ms"] == pytest.approx(tl["over_recordings"]["total_ms"]["median"]), tl
+    classic = saved["memory_tp_no_sp"]
+    act = {m: saved["modes"][m]["memory_per_rank"][0]["saved_activation_bytes"]
+           for m in ("baseline", "tp")}
+    assert classic["loss_rel_diff_vs_baseline"] <= 1e-6, classic
+    assert classic["loss"] == pytest.approx(saved["modes"]["baseline"]["loss"][0], rel=1e-6)
+    assert classic["baseline_memory"]["saved_activation_bytes"] == act["baseline"], classic
+    assert act["tp"] < classic["memory_per_rank"][0]["saved_activation_bytes"] < \
+        act["baseline"], (act, classic["memory_per_rank"])
+    assert "tp_no_sp (classic TP without sequence parallelism" in summary
+    assert "per block of 5 rounds, 3 blocks" in summary and "3 recordings per mode" in summary
     assert len(saved["targets"]) == 4
     assert "targets:" in summary
     for name, r in saved["ratios"].items():  # every pair, paired over the same timed steps
@@ -308,6 +330,7 @@ def test_profile_2d_dp2_tp2_trains_every_mode_to_the_baselines_losses(pools, tmp
     meta = results["meta"]
     assert (meta["dp"], meta["tp"], meta["world_size"]) == (2, 2, 4), meta
     assert "overlap_benchmark" not in results and "timeline" not in results, list(results)
+    assert "memory_tp_no_sp" not in results, list(results)  # one TP group: --dp 1 only
     assert list(results["modes"]) == list(MODELS["default"]["modes"])
     for mode, d in results["modes"].items():
         if mode == "baseline":
@@ -354,6 +377,7 @@ def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_sam
     results = phases.run_phases(phases.PoolRunner(pools(2 * dp)), args)
     assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
     assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
+    assert "memory_tp_no_sp" not in results, list(results)  # SwiGLU: not two nn.Linear
     assert list(results["modes"]) == ["baseline", "tp", "tp_overlap", "hf_dtensor"]
     for mode, d in results["modes"].items():
         if mode != "baseline":
