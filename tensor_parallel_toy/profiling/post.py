@@ -174,7 +174,7 @@ def derived(blog_dir, data):
             out[f"tl.{mode}.{label}"] = _spread(summary["over_recordings"][key])
     for src in ("run", "link1g"):  # op time / max(comm, GEMM) over blocks of rounds
         for op, d in data.get(src, {}).get("overlap_benchmark", {}).get("ops", {}).items():
-            for key, label in (("overlap_over_max_rounds", "ovl"), ("basic_over_max_rounds",
+            for key, label in (("overlap_over_max_blocks", "ovl"), ("basic_over_max_blocks",
                                                                     "basic")):
                 if key in d:
                     out[f"{label}.{src}.{op}"] = _spread(d[key], 2)
