@@ -39,6 +39,7 @@ FORMATS = {  # named formats; anything else after `|` is a Python format spec
     "mib": lambda v: f"{v / MIB:.2f}",       # bytes -> MiB
     "mib1": lambda v: f"{v / MIB:.1f}",
     "pct": lambda v: f"{v * 100:.0f} %",
+    "gbit": lambda v: f"{v / 1e9:.2f}",     # bits/s -> Gbit/s
     "bytes": lambda v: f"{int(v):,}",
     "int": lambda v: f"{int(round(v))}",
     "ratio": _ratio,
@@ -172,6 +173,11 @@ def derived(blog_dir, data):
         for key, label in (("total_ms", "total"), ("blocked_in_comm_ms", "blocked"),
                            ("posting_ms", "posting")):
             out[f"tl.{mode}.{label}"] = _spread(summary["over_recordings"][key])
+    # Summed over the benchmark's four ops: what the ring's transport saves against gloo's
+    # collectives (basic -> sequential), and what overlapping then saves (-> overlapped).
+    ops = run["overlap_benchmark"]["ops"].values()
+    out["bench.transport_ms"] = f"{sum(o['t_basic_ms'] - o['t_seq_ms'] for o in ops):.2f}"
+    out["bench.overlap_ms"] = f"{sum(o['t_seq_ms'] - o['t_overlap_ms'] for o in ops):.2f}"
     for src in ("run", "link1g"):  # op time / max(comm, GEMM) over blocks of rounds
         for op, d in data.get(src, {}).get("overlap_benchmark", {}).get("ops", {}).items():
             for key, label in (("overlap_over_max_blocks", "ovl"), ("basic_over_max_blocks",
