@@ -278,12 +278,14 @@ def _draw_block(ax, x0, top, items, gap=0.45, width=9.4):
         if i + 1 < len(items):
             below, hb = centres[i + 1]
             _arrow(ax, (cx, yc - h / 2), (cx, below + hb / 2), width=1)
-    # The residual stream bypasses each sub-block, from its input to the "+".
+    # The residual stream bypasses each sub-block, from its input to the "+": the first from
+    # the block's input, the second from the first "+" (drawn inset, so the two paths do not
+    # merge into one line from the input).
     adds = [i for i, item in enumerate(items) if item[0] == "add"]
     starts = [0] + adds[:-1]
-    xr = x0 + width - 0.25
-    for start, end in zip(starts, adds):
-        ys, ye = centres[start][0], centres[end][0]
+    for k, (start, end) in enumerate(zip(starts, adds)):
+        xr = x0 + width - 0.25 - 0.35 * k
+        ys, ye = centres[start][0] - 0.18 * k, centres[end][0]
         x_from = cx + 3.3  # the right edge of a box, or past the end of the input's label
         ax.plot([x_from, xr, xr], [ys, ys, ye], color="#666666", linewidth=1)
         _arrow(ax, (xr, ye), (cx + 3.3, ye), color="#666666", width=1)

@@ -40,6 +40,7 @@ FORMATS = {  # named formats; anything else after `|` is a Python format spec
     "mib1": lambda v: f"{v / MIB:.1f}",
     "pct": lambda v: f"{v * 100:.0f} %",
     "gbit": lambda v: f"{v / 1e9:.2f}",     # bits/s -> Gbit/s
+    "rate": lambda v: f"{v / 1e9:g} Gbit/s",
     "bytes": lambda v: f"{int(v):,}",
     "int": lambda v: f"{int(round(v))}",
     "ratio": _ratio,
@@ -178,6 +179,15 @@ def derived(blog_dir, data):
     ops = run["overlap_benchmark"]["ops"].values()
     out["bench.transport_ms"] = f"{sum(o['t_basic_ms'] - o['t_seq_ms'] for o in ops):.2f}"
     out["bench.overlap_ms"] = f"{sum(o['t_seq_ms'] - o['t_overlap_ms'] for o in ops):.2f}"
+    from .bench_overlap import TARGET_COMM_OVER_GEMM
+    out["bench.comm_over_gemm"] = f"{TARGET_COMM_OVER_GEMM:g}"
+    out["bench.nothing_hidden"] = f"{1 + TARGET_COMM_OVER_GEMM:g}"
+    if "sweep" in data:  # tp_overlap's step time over the larger of the sweep's two limits
+        sweep = data["sweep"]
+        for name, point in (("first", sweep["rates"][0]), ("last", sweep["rates"][-1])):
+            comm_bound = sweep["bytes_per_step_derived"] * 8 / point["rate_bits_per_s"]
+            limit = max(comm_bound, sweep["compute_bound_s"])
+            out[f"sweep.over_limit.{name}"] = f"{point['tp_overlap']['median_s'] / limit:.2f}"
     for src in ("run", "link1g"):  # op time / max(comm, GEMM) over blocks of rounds
         for op, d in data.get(src, {}).get("overlap_benchmark", {}).get("ops", {}).items():
             for key, label in (("overlap_over_max_blocks", "ovl"), ("basic_over_max_blocks",
