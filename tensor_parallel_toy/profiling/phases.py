@@ -147,8 +147,8 @@ def run_phases(runner, args):
         load["overlap_benchmark"] = meter.cores
         results["overlap_benchmark"] = bench
         sh = bench["shape"]
-        _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} f={sh['f']} "
-                     f"p={sh['p']}" + (" (f calibrated)" if sh["calibrated"] else ""))
+        _say(runner, f"      shapes: s={sh['s']} b={sh['b']} h={sh['h']} m={sh['f']} "
+                     f"p={sh['p']}" + (" (MLP size m calibrated)" if sh["calibrated"] else ""))
     if spec.timeline_iters > 0:
         k += 1
         _say(runner, f"[{k}/{phases}] timeline of one block ({spec.timeline_iters} recordings "

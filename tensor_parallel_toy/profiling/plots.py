@@ -181,7 +181,7 @@ def plot_overlap(bench, path, network=""):
     ax.set_ylim(0, top * 1.1)
     ax.set_title(f"Per-op overlap: a dot per block of {first['rounds_per_block']} rounds "
                  f"({first['n']} blocks; bar: median, whisker: p10-p90; slowest rank)\n"
-                 f"s={shape['s']} b={shape['b']} h={shape['h']} f={shape['f']} p={shape['p']}"
+                 f"s={shape['s']} b={shape['b']} h={shape['h']} m={shape['f']} p={shape['p']}"
                  + (f", {network}" if network else ""), fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     save(fig, path)

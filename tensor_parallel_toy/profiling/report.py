@@ -315,8 +315,8 @@ def summary_text(results):
     if bench:
         sh = bench["shape"]
         lines += ["", f"per-op overlap benchmark (median of slowest rank, ms): s={sh['s']} "
-                      f"b={sh['b']} h={sh['h']} f={sh['f']} p={sh['p']} {sh['dtype']}"
-                      + (" (f calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else ""),
+                      f"b={sh['b']} h={sh['h']} m={sh['f']} p={sh['p']} {sh['dtype']}"
+                      + (" (MLP size m calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else ""),
                   f"{'op':<36}{'comm':>7}{'gemm':>7}{'seq':>7}{'overlap':>8}{'basic':>7}"
                   f"{'hidden':>8}{'vs parts':>9}{'ovl/max':>8}{'ceiling: schedule':>19}"
                   f"{'cpu':>6}"]
