@@ -1,102 +1,32 @@
 """The blog's conceptual figures, drawn by code: the splits, the collectives, the regions of a
-block, the two rings, and the activation memory per saved tensor.
+block, the two rings (concepts_rings.py), and the activation memory per saved tensor.
 
     python -m tensor_parallel_toy.profiling.concepts blog/figures
 
-writes them all (`draw_all`). Each PNG carries a text chunk `Source-SHA256`, the hash of this
-file and of memory_model.py (whose numbers the last figure draws): `stale_figures` names every
-figure that is missing or was drawn from other source, without looking at file times, which a
-fresh clone does not keep. The drawing is deterministic: fixed fonts, no date in the file.
+writes them all (`draw_all`). Each PNG carries the hash of the source it was drawn from
+(sketch.py says which files): `stale_figures` names every figure that is missing or was drawn
+from other source, without looking at file times, which a fresh clone does not keep.
 """
-import functools
-import hashlib
 import os
 import sys
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
 
-matplotlib.use("Agg")  # no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch, Patch, Rectangle  # noqa: E402
+from . import memory_model
+from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_reduce_scatter
+from .sketch import (COMM, RANK_EDGE, RANK_FILL, SOURCE_KEY, SUM, WIDTH_IN, arrow, box, canvas,
+                     rounded, save, source_hash, styled)
 
-from . import memory_model  # noqa: E402
-from .output import atomic_path  # noqa: E402
-
-SOURCE_KEY = "Source-SHA256"
-WIDTH_IN, DPI = 8.2, 110  # about 900 pixels wide: the blog's column
-RC = {"font.family": "DejaVu Sans", "mathtext.fontset": "dejavusans", "font.size": 9,
-      "hatch.linewidth": 0.8}
-RANK_FILL = ["#aec7e8", "#ffbb78", "#98df8a", "#ff9896"]  # rank (or chunk) r's colour
-RANK_EDGE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
-FULL, SUM, COMM = "#d9d9d9", "#d8c8f0", "#fdd0a2"  # a whole tensor, a finished sum, a transfer
 REGION_FILL = {memory_model.REPLICATED: "#ececec", memory_model.SEQUENCE_PARALLEL: "#e5f5e0",
                memory_model.TENSOR_PARALLEL: "#deebf7"}
 
 
-def source_hash():
-    """sha256 of the source the figures are drawn from: this file, then memory_model.py."""
-    digest = hashlib.sha256()
-    for module in (__file__, memory_model.__file__):
-        with open(module, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()
-
-
-# -- drawing helpers: one axis in square units covering the whole figure ---------------------------
-def _canvas(width, height):
-    fig = plt.figure(figsize=(WIDTH_IN, WIDTH_IN * height / width))
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(0, height)
-    ax.axis("off")
-    return fig, ax
-
-
-def _box(ax, x, y, w, h, text="", fill=FULL, edge="#333333", size=8.5, dashed=False, **text_kw):
-    """A rectangle with its lower-left corner at (x, y) and `text` at its centre."""
-    ax.add_patch(Rectangle((x, y), w, h, facecolor=fill, edgecolor=edge, linewidth=1,
-                           linestyle="--" if dashed else "-"))
-    if text:
-        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size, **text_kw)
-
-
-def _rounded(ax, x, y, w, h, text, fill=COMM, size=8.5, edge="#a65d00"):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.25",
-                                facecolor=fill, edgecolor=edge, linewidth=1))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
-
-
-def _arrow(ax, start, end, color="#333333", width=1.2):
-    ax.annotate("", xy=end, xytext=start, arrowprops=dict(
-        arrowstyle="-|>", color=color, linewidth=width, shrinkA=1, shrinkB=1))
-
-
-def _save(fig, path):
-    """PNG with the source hash and without a date or software version, so that the same
-    source draws the same bytes."""
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=DPI,
-                        metadata={"Software": None, SOURCE_KEY: source_hash()})
-    finally:
-        plt.close(fig)
-
-
-def _styled(draw):
-    """Draw with the fixed fonts, whatever the caller's matplotlib settings; return the path."""
-    @functools.wraps(draw)
-    def run(path):
-        with plt.rc_context(RC):
-            draw(path)
-        return path
-    return run
-
-
 # -- 1. column and row parallel ------------------------------------------------------------------
-@_styled
+@styled
 def draw_column_row_split(path):
     """Y = X Wᵀ split two ways over p = 2 ranks, every block labelled with its shape."""
-    fig, ax = _canvas(20, 13)
+    fig, ax = canvas(20, 13)
     n, din, dout = 3.0, 2.4, 3.2  # drawn sizes of the token, input and output dims
     x_w, x_eq = 3.6, 7.3  # where Wᵀ starts, where "=" stands
 
@@ -104,14 +34,14 @@ def draw_column_row_split(path):
     y0 = 8.0
     ax.text(0.3, 12.4, "Column-parallel: rank r keeps W's output rows, "
             r"$W_r$ [out/p, in]  (p = 2)", fontsize=11, weight="bold", va="center")
-    _box(ax, 0.4, y0, din, n, "$X$\n[n, in]\n\nthe whole X,\non every rank")
+    box(ax, 0.4, y0, din, n, "$X$\n[n, in]\n\nthe whole X,\non every rank")
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
-        _box(ax, x_w + r * dout / 2, y0 + (n - din) / 2, dout / 2, din,
+        box(ax, x_w + r * dout / 2, y0 + (n - din) / 2, dout / 2, din,
              f"$W_{r}^T$\n[in, out/p]", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq, y0 + n / 2, "=", fontsize=16, ha="center", va="center")
     for r in range(2):
-        _box(ax, x_eq + 0.4 + r * dout / 2, y0, dout / 2, n, f"$Y_{r}$\n[n, out/p]\n\nrank {r}",
+        box(ax, x_eq + 0.4 + r * dout / 2, y0, dout / 2, n, f"$Y_{r}$\n[n, out/p]\n\nrank {r}",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(11.4, y0 + n, "\n".join([
         r"rank r computes $Y_r = X\,W_r^T$:  [n, in] · [in, out/p]",
@@ -130,28 +60,28 @@ def draw_column_row_split(path):
             r"$W_r$ [out, in/p], and needs only $X_r$", fontsize=11, weight="bold",
             va="center")
     for r in range(2):
-        _box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[n,\nin/p]",
+        box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[n,\nin/p]",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
-        _box(ax, x_w, y0 + (n - din) / 2 + (1 - r) * din / 2, dout, din / 2,
+        box(ax, x_w, y0 + (n - din) / 2 + (1 - r) * din / 2, dout, din / 2,
              f"$W_{r}^T$  [in/p, out]", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq, y0 + n / 2, "→", fontsize=16, ha="center", va="center")
     for r in range(2):
         x = x_eq + 0.4 + r * (dout + 0.6)
-        _box(ax, x, y0, dout, n, f"$P_{r} = X_{r}\\,W_{r}^T$\n[n, out]\nrank {r}\n\n"
+        box(ax, x, y0, dout, n, f"$P_{r} = X_{r}\\,W_{r}^T$\n[n, out]\nrank {r}\n\n"
              "full size,\na partial sum", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq + 0.4 + dout + 0.3, y0 + n / 2, "+", fontsize=16, ha="center", va="center")
     ax.text(x_eq + 0.4 + 2 * dout + 0.9, y0 + n / 2, "=", fontsize=16, ha="center",
             va="center")
-    _box(ax, x_eq + 2 * dout + 1.6, y0, dout, n, "$Y = P_0 + P_1$\n[n, out]", SUM)
+    box(ax, x_eq + 2 * dout + 1.6, y0, dout, n, "$Y = P_0 + P_1$\n[n, out]", SUM)
     ax.text(0.4, 1.3, "Forward: the sum is the communication: all-reduce in TP (Y on every "
             "rank), reduce-scatter(seq)", fontsize=9, va="center")
     ax.text(0.4, 0.85, "in TP + SP (rank r keeps its s/p rows of Y).", fontsize=9,
             va="center")
     ax.text(0.4, 0.3, "Backward: every rank needs all of dY (identity in TP, all-gather(seq) "
             r"in TP + SP);  $dX_r = dY\,W_r$,  $dW_r = dY^T X_r$.", fontsize=9, va="center")
-    _save(fig, path)
+    save(fig, path)
 
 
 # -- 2. the collectives ---------------------------------------------------------------------------
@@ -162,19 +92,19 @@ def _grid(ax, x, y, cells, cell_w=0.95, cell_h=0.62):
         yr = y + (p - 1 - r) * (cell_h + 0.12)
         for k, cell in enumerate(row):
             if cell is None:
-                _box(ax, x + k * cell_w, yr, cell_w, cell_h, fill="white", edge="#bbbbbb",
+                box(ax, x + k * cell_w, yr, cell_w, cell_h, fill="white", edge="#bbbbbb",
                      dashed=True)
             else:
                 text, fill = cell
-                _box(ax, x + k * cell_w, yr, cell_w, cell_h, text, fill, size=9)
+                box(ax, x + k * cell_w, yr, cell_w, cell_h, text, fill, size=9)
 
 
-@_styled
+@styled
 def draw_collectives(path):
     """All-gather, reduce-scatter and all-reduce over p = 4 ranks: what each rank holds before
     and after, the bytes each rank sends, and the conjugate pairs."""
     p = 4
-    fig, ax = _canvas(20, 17)
+    fig, ax = canvas(20, 17)
     letters = "ABCD"
     gathered = [[(f"$X_{k}$", RANK_FILL[k]) for k in range(p)] for _ in range(p)]
     own = [[(f"$X_{r}$", RANK_FILL[r]) if k == r else None for k in range(p)] for r in range(p)]
@@ -202,7 +132,7 @@ def draw_collectives(path):
                 color="#555555")
         ax.text(8.5 + 2 * 0.95, top - 0.45, "after", ha="center", va="center", color="#555555")
         _grid(ax, 1.7, y, before)
-        _arrow(ax, (5.8, y + 1.45), (8.2, y + 1.45), width=2)
+        arrow(ax, (5.8, y + 1.45), (8.2, y + 1.45), width=2)
         ax.text(7.0, y + 1.75, name, ha="center", va="bottom", fontsize=9)
         _grid(ax, 8.5, y, after)
         ax.text(13.0, top - 0.6, "\n".join(notes), va="top", fontsize=9.5)
@@ -212,7 +142,7 @@ def draw_collectives(path):
             "backward.", fontsize=9.5, va="center", weight="bold")
     ax.text(0.3, 0.4, "All-reduce = reduce-scatter + all-gather: sequence parallelism moves "
             "the all-gather past the norm, same bytes.", fontsize=9.5, va="center")
-    _save(fig, path)
+    save(fig, path)
 
 
 # -- 3. the regions of one block ------------------------------------------------------------------
@@ -269,15 +199,15 @@ def _draw_block(ax, x0, top, items, gap=0.45, width=9.4):
         y -= h + gap
     for i, ((kind, text, region), (yc, h)) in enumerate(zip(items, centres)):
         if kind == "comm":
-            _rounded(ax, cx - 3.9, yc - h / 2, 7.8, h, text, size=8)
+            rounded(ax, cx - 3.9, yc - h / 2, 7.8, h, text, size=8)
         elif kind == "tensor":
             ax.text(cx, yc, text, ha="center", va="center", fontsize=9, style="italic")
         else:
-            _box(ax, cx - 3.3, yc - h / 2, 6.6, h, text,
+            box(ax, cx - 3.3, yc - h / 2, 6.6, h, text,
                  fill="white" if kind == "add" else "#f7f7f7", size=8.5)
         if i + 1 < len(items):
             below, hb = centres[i + 1]
-            _arrow(ax, (cx, yc - h / 2), (cx, below + hb / 2), width=1)
+            arrow(ax, (cx, yc - h / 2), (cx, below + hb / 2), width=1)
     # The residual stream bypasses each sub-block, from its input to the "+": the first from
     # the block's input, the second from the first "+" (drawn inset, so the two paths do not
     # merge into one line from the input).
@@ -288,14 +218,14 @@ def _draw_block(ax, x0, top, items, gap=0.45, width=9.4):
         ys, ye = centres[start][0] - 0.18 * k, centres[end][0]
         x_from = cx + 3.3  # the right edge of a box, or past the end of the input's label
         ax.plot([x_from, xr, xr], [ys, ys, ye], color="#666666", linewidth=1)
-        _arrow(ax, (xr, ye), (cx + 3.3, ye), color="#666666", width=1)
+        arrow(ax, (xr, ye), (cx + 3.3, ye), color="#666666", width=1)
 
 
-@_styled
+@styled
 def draw_regions(path):
     """One transformer block under TP (Shoeybi et al.) and TP + SP (Korthikanti et al.): the
     regions each tensor lives in, and the collectives between them, forward and backward."""
-    fig, ax = _canvas(20, 25.4)
+    fig, ax = canvas(20, 25.4)
     titles = ["TP (Shoeybi et al. 2019)", "TP + SP (Korthikanti et al. 2022)"]
     for col, sequence_parallel in enumerate((False, True)):
         x0 = 0.2 + col * 10.0
@@ -314,150 +244,7 @@ def draw_regions(path):
                          label="communication: forward | backward"))
     ax.legend(handles=handles, loc="lower center", ncol=2, fontsize=8.5, frameon=False,
               bbox_to_anchor=(0.5, -0.01))
-    _save(fig, path)
-
-
-# -- 4 and 5. the two rings ----------------------------------------------------------------------
-def _ring_grid(ax, p, top, cell, send_label):
-    """Ranks (rows, rank 0 on top) by steps (columns). cell(r, k) -> (text, chunk, last):
-    the cell is coloured as the chunk, bold-edged when `last`. An arrow from (r, k) to
-    (r+1, k+1): what rank r holds at step k travels to rank r+1, which uses it at step k+1
-    (`send_label(r, k)` names it)."""
-    col_w, cell_w, row_h, cell_h, x0 = 4.3, 3.1, 1.55, 1.1, 2.0
-
-    def corner(r, k):
-        return x0 + k * col_w, top - (r + 1) * row_h + (row_h - cell_h)
-
-    for k in range(p):
-        ax.text(x0 + k * col_w + cell_w / 2, top + 0.3, f"step k = {k}", ha="center",
-                va="center", weight="bold")
-    for r in range(p):
-        ax.text(x0 - 0.2, corner(r, 0)[1] + cell_h / 2, f"rank {r}", ha="right", va="center")
-        for k in range(p):
-            text, chunk, last = cell(r, k)
-            x, y = corner(r, k)
-            ax.add_patch(Rectangle((x, y), cell_w, cell_h, facecolor=RANK_FILL[chunk],
-                                   edgecolor="black" if last else RANK_EDGE[chunk],
-                                   linewidth=2.2 if last else 1))
-            ax.text(x + cell_w / 2, y + cell_h / 2, text, ha="center", va="center", fontsize=8.5)
-            if k == p - 1:
-                continue
-            label = send_label(r, k)
-            if r < p - 1:  # to the next rank, used there one step later
-                nx, ny = corner(r + 1, k + 1)
-                _arrow(ax, (x + cell_w, y + 0.15), (nx, ny + cell_h - 0.15), RANK_EDGE[chunk])
-                ax.text(x + cell_w + 0.05, y - 0.08, label, fontsize=7.5, va="top",
-                        color=RANK_EDGE[chunk])
-            else:  # the last rank's chunk wraps around to rank 0
-                _arrow(ax, (x + cell_w, y + 0.15), (x + cell_w + 0.6, y - 0.35),
-                       RANK_EDGE[chunk])
-                ax.text(x + cell_w + 0.65, y - 0.35, f"{label} to rank 0", fontsize=7.5,
-                        va="center", color=RANK_EDGE[chunk])
-                nx, ny = corner(0, k + 1)
-                _arrow(ax, (nx - 0.6, ny + cell_h + 0.45), (nx, ny + cell_h - 0.15),
-                       RANK_EDGE[chunk])
-    return top - p * row_h
-
-
-def _timeline(ax, y, label, spans, scale, x0=3.3):
-    """One timeline row: spans of (start, end, text, fill, hatched) in time units."""
-    ax.text(x0 - 0.2, y + 0.35, label, ha="right", va="center", fontsize=8.5)
-    for start, end, text, fill, hatched in spans:
-        ax.add_patch(Rectangle((x0 + start * scale, y), (end - start) * scale, 0.7,
-                               facecolor=fill, edgecolor="#555555", linewidth=0.8,
-                               hatch="///" if hatched else None))
-        ax.text(x0 + (start + end) / 2 * scale, y + 0.35, text, ha="center", va="center",
-                fontsize=7.5)
-
-
-@_styled
-def draw_ring_all_gather_gemm(path):
-    """ring.py's `ring_all_gather` feeding the column layer's GEMM: at step k rank r holds
-    chunk (r - k) mod p, multiplies it into its rows of Y, and passes it to rank r + 1 while
-    the GEMM runs; below, rank 1's timeline, basic against ring."""
-    p = 4
-    fig, ax = _canvas(20, 14.4)
-    ax.text(0.3, 13.9, "All-gather + GEMM as a ring (column layer forward, p = 4): "
-            "at step k, rank r holds chunk (r − k) mod p", fontsize=10, weight="bold",
-            va="center")
-    bottom = _ring_grid(
-        ax, p, 12.9,
-        lambda r, k: (f"holds $X_{(r - k) % p}$\nGEMM → Y chunk {(r - k) % p}",
-                      (r - k) % p, False),
-        lambda r, k: f"$X_{(r - k) % p}$")
-    ax.text(0.3, bottom - 0.45, r"$X_c$: sequence chunk c, [s/p, b, h], which rank c starts "
-            "with. The transfer of the next chunk is posted before the GEMM of this one, so "
-            "it", fontsize=8.5, va="center")
-    ax.text(0.3, bottom - 0.9, r"travels while the GEMM runs. Each GEMM writes its rows of "
-            r"Y [s, b, out/p] in place (out=): the gathered X is never built.", fontsize=8.5,
-            va="center")
-
-    t_g, t_c, scale = 1.0, 0.8, 2.45  # one chunk's GEMM, one ring step's transfer (t_c < t_g)
-    y = bottom - 2.6
-    ax.text(0.3, y + 1.0, "Rank 1's timeline, with one ring step's transfer (t_c) shorter "
-            "than one chunk's GEMM (t_g):", fontsize=9, va="center", weight="bold")
-    gather = (p - 1) * t_c
-    _timeline(ax, y - 0.1, "basic: compute", [
-        (0, gather, "waiting", "white", True),
-        (gather, gather + p * t_g, "GEMM on X0 X1 X2 X3 (the whole X)", FULL, False)], scale)
-    _timeline(ax, y - 0.9, "network", [(0, gather, "all-gather X", COMM, False)], scale)
-    order = [(1 - k) % p for k in range(p)]
-    _timeline(ax, y - 2.2, "ring: compute", [
-        (k * t_g, (k + 1) * t_g, f"GEMM X{c}", RANK_FILL[c], False)
-        for k, c in enumerate(order)], scale)
-    _timeline(ax, y - 3.0, "network", [
-        (k * t_g, k * t_g + t_c, f"recv X{order[k + 1]} ◄ 0\nsend X{order[k]} ► 2", COMM,
-         False)
-        for k in range(p - 1)], scale)
-    ax.text(3.3 + (gather + p * t_g) * scale + 0.1, y + 0.25, "done", fontsize=8, va="center")
-    ax.text(3.3 + p * t_g * scale + 0.1, y - 1.85, "done", fontsize=8, va="center")
-    ax.text(0.3, y - 3.75, r"Ring: $(p-1)\cdot\max(t_g, t_c) + t_g$, that is $T_{gemm}$ "
-            r"here (all communication hidden); basic: $T_{comm} + T_{gemm}$.", fontsize=9,
-            va="center")
-    _save(fig, path)
-
-
-@_styled
-def draw_ring_reduce_scatter(path):
-    """ring.py's `ring_reduce_scatter` of the row layer's partial sums: the running sum of
-    chunk c starts on rank c + 1, travels right, gains each rank's partial, and arrives
-    complete on rank c after p - 1 hops."""
-    p = 4
-    fig, ax = _canvas(20, 12.0)
-    ax.text(0.3, 11.5, "GEMM + reduce-scatter as a ring (row layer forward, p = 4): "
-            "chunk c's running sum starts on rank c + 1", fontsize=10, weight="bold",
-            va="center")
-
-    def cell(r, k):
-        c = (r - 1 - k) % p
-        ranks = "+".join(str((r - j) % p) for j in range(k, -1, -1))
-        done = k == p - 1
-        first = f"own $P_{c}$" if k == 0 else f"received + own $P_{c}$"
-        total = (f"$Y_{r} = \\Sigma_{c}$, all {p} ranks" if done
-                 else f"$\\Sigma_{c}$ = ranks {ranks}")
-        return first + "\n" + total, c, done
-
-    bottom = _ring_grid(ax, p, 10.5, cell, lambda r, k: f"$\\Sigma_{(r - 1 - k) % p}$")
-    ax.text(0.3, bottom - 0.45, r"$P_c$: this rank's partial sum of chunk c, [s/p, b, out], "
-            r"computed just before it is needed;  $\Sigma_c$: the running sum of chunk c.",
-            fontsize=8.5, va="center")
-    ax.text(0.3, bottom - 0.9, "Each rank sends p − 1 chunks of N/p: (p − 1)/p · N, the "
-            "traffic of one reduce-scatter, each transfer under the next partial GEMM.",
-            fontsize=8.5, va="center")
-
-    t_g, t_c, scale = 1.0, 0.8, 3.0
-    y = bottom - 2.6
-    ax.text(0.3, y + 1.0, "Rank 1's timeline (the first GEMM has nothing to hide under it):",
-            fontsize=9, va="center", weight="bold")
-    order = [(1 - 1 - k) % p for k in range(p)]
-    _timeline(ax, y - 0.1, "compute", [
-        (k * t_g, (k + 1) * t_g, f"P{c}" + (" + Σ → Y1" if k == p - 1 else ""),
-         RANK_FILL[c], False) for k, c in enumerate(order)], scale)
-    _timeline(ax, y - 0.9, "network", [
-        (k * t_g, k * t_g + t_c, f"send Σ{order[k - 1]} ► 2\nrecv Σ{order[k]} ◄ 0", COMM,
-         False)
-        for k in range(1, p)], scale)
-    _save(fig, path)
+    save(fig, path)
 
 
 # -- 6. activation memory per saved tensor ---------------------------------------------------------
@@ -477,7 +264,7 @@ def _tensor_kind(label):
     return label
 
 
-@_styled
+@styled
 def draw_memory_per_tensor(path):
     """What one block keeps for backward, per rank, at the profile's default shape: one device,
     TP alone and TP + SP at p = 2 and 4, each bar split per saved tensor (memory_model.py)."""
@@ -517,7 +304,7 @@ def draw_memory_per_tensor(path):
                          label="full size on every rank under\nTP alone: does not shrink with p"))
     fig.legend(handles=handles, loc="center left",
                bbox_to_anchor=(0.6, 0.5), fontsize=8, frameon=False)
-    _save(fig, path)
+    save(fig, path)
 
 
 # -- all of them, and whether they are current --------------------------------------------------
