@@ -1,9 +1,9 @@
 """The blog posts, rendered from templates whose numbers come from the measurements.
 
 `blog/src/<post>.md` is the text a writer edits. Every measured or derived number in it is a
-placeholder, `{{name}}`, naming one entry of `values(blog_dir)`, which reads the committed
-profile runs (`blog/results/`, `blog/link/`, `blog/llama/`, `blog/2d/`) and the formulas in
-`memory_model.py`. `python -m tensor_parallel_toy blog` writes `blog/<post>.md` from them.
+placeholder: `{{src:path|format}}` names an entry of one of the committed profile runs
+(SOURCES: `blog/results/`, `blog/link/`, `blog/llama/`, `blog/2d/`), `{{name}}` a value that
+`derived` computes from them or from the package's formulas (`memory_model.py`). `python -m tensor_parallel_toy blog` writes `blog/<post>.md` from them.
 The tests check that the committed posts equal a fresh rendering, and that a template holds no
 hand-typed measurement (`hand_typed_numbers`): a number copied into prose by hand would stay
 behind when the results change; a placeholder cannot.
@@ -123,7 +123,7 @@ def _spread(d, digits=1):
     return f"{d['median']:.{digits}f} [{d['p10']:.{digits}f}–{d['p90']:.{digits}f}]"
 
 
-def derived(blog_dir, data):
+def derived(data):
     """Named numbers that are not one entry of a results file: computed from them or from the
     package's formulas. Each is computed once, here."""
     from ..config import ModelConfig
@@ -198,14 +198,14 @@ def derived(blog_dir, data):
 
 
 def values(blog_dir):
-    """{source name: its parsed results}, for the sources present, plus `derived`."""
+    """({source name: its parsed results}, for the sources present; `derived` of them)."""
     data = {}
     for name, rel in SOURCES.items():
         path = os.path.join(blog_dir, rel)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 data[name] = json.load(f)
-    return data, derived(blog_dir, data)
+    return data, derived(data)
 
 
 def render(template, data, named, source="template"):
