@@ -137,8 +137,7 @@ def derived(data):
     shape = dict(s=s, b=b, h=h, f=model["ffn_hidden_size"], a=model["num_heads"])
     for name, kwargs in {"one": dict(p=1), "tp_only": dict(p=p, sequence_parallel=False),
                          "tp_sp": dict(p=p)}.items():
-        elements = sum(e for _, _, e in memory_model.block_saved_elements(**shape, **kwargs))
-        out[f"block_mib.{name}"] = f"{elements * B / MIB:.2f}"
+        out[f"block_mib.{name}"] = f"{memory_model.block_mib(**shape, **kwargs):.2f}"
     config = ModelConfig(**model)
     modes = run["modes"]
     act = {m: d["memory_per_rank"][0]["saved_activation_bytes"] for m, d in modes.items()}

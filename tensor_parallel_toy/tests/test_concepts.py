@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy.classic_tp import apply_tensor_parallel
 from tensor_parallel_toy.config import ModelConfig
-from tensor_parallel_toy.model import MLP, Attention, Transformer
+from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.profiling import concepts
 from tensor_parallel_toy.profiling.memory_model import (block_saved_elements,
                                                         model_saved_bytes, model_saved_elements,
                                                         profile_block_mib, profile_shape)
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
 from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
+from tensor_parallel_toy.profiling.tp_no_sp import classic_tp_model
 
 from .helpers import max_rel_error
 
@@ -31,18 +31,6 @@ SHAPE = profile_shape()  # s, b, h, f, a, p
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIGURES = os.path.join(ROOT, "blog", "figures")
 EXTRA_TOL = 0.002  # what autograd keeps beyond the model's list, as a fraction of the list
-
-
-class ClassicAttention(Attention):
-    """The model's attention, opting in to `apply_tensor_parallel`: its fused qkv rows are laid
-    out head by head, so a contiguous row shard is whole heads, as the column layer needs."""
-    tp_column = "qkv"
-    tp_row = "proj"
-
-
-class ClassicMLP(MLP):
-    tp_column = "fc1"
-    tp_row = "fc2"
 
 
 def _batch():
@@ -70,9 +58,7 @@ def _on_rank_classic_tp():
     be the unsplit model's, or the bytes would describe a wrong model."""
     model = Transformer(CONFIG)
     expected = model.loss(*_batch()).detach()
-    for block in model.layers:  # the same modules, now declaring their column and row layers
-        block.attn.__class__, block.mlp.__class__ = ClassicAttention, ClassicMLP
-    apply_tensor_parallel(model, dist.group.WORLD)
+    classic_tp_model(model, dist.group.WORLD)  # the profile's conversion, as tp_no_sp measures it
     loss, storages = _saved_storages(model)
     return max_rel_error(loss, expected), storages
 
