@@ -26,7 +26,10 @@ def rank_main(rank, p, port):
     y.pow(2).sum().backward()
     torch.testing.assert_close(x_local.grad, x.grad.chunk(p)[rank])  # reduce-scattered dX
     torch.testing.assert_close(layer.weight.grad, w.grad.chunk(p)[rank])
-    print(f"rank {rank}: output, dX and dW equal F.linear's", flush=True)
+    for turn in range(p):  # one rank at a time: lines printed at once can interleave
+        if turn == rank:
+            print(f"rank {rank}: output, dX and dW equal F.linear's", flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 
