@@ -18,9 +18,9 @@ of a few int64s) or broadcasts TP rank 0's batch to the others, Megatron-LM's wa
 import hashlib
 
 import torch
-import torch.distributed as dist
 
-from .comm import all_gather_dim, group_rank, group_size, transfer
+from .comm import (all_gather_dim, all_gather_objects, broadcast_, group_device, group_rank,
+                   group_size)
 
 SAME_BATCH = ("check", "broadcast")
 _SHOWN_FIELDS = 3  # a mismatch names this many fields (the first ones), then counts the rest
@@ -28,13 +28,6 @@ _SHOWN_FIELDS = 3  # a mismatch names this many fields (the first ones), then co
 
 class RanksDisagreeError(ValueError):
     """The ranks of a group built different models or were given different batches."""
-
-
-def _group_device(group):
-    """Where a tensor must live to travel over `group`: its GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _digest(fields):
@@ -76,12 +69,11 @@ def check_ranks_agree(fields, group, what):
     p = group_size(group)
     if p == 1:
         return
-    mine = torch.tensor([_digest(fields)], dtype=torch.int64, device=_group_device(group))
+    mine = torch.tensor([_digest(fields)], dtype=torch.int64, device=group_device(group))
     digests = all_gather_dim(mine, 0, group).tolist()  # [p]
     if len(set(digests)) == 1:
         return
-    every = [None] * p
-    dist.all_gather_object(every, dict(fields), group=group)  # only on a mismatch
+    every = all_gather_objects(dict(fields), group)  # only on a mismatch
     names = list(dict.fromkeys(name for f in every for name in f))  # the first rank's order
     differ = [n for n in names if len({repr(f.get(n, "<absent>")) for f in every}) > 1]
     shown = "; ".join(f"{n}: {_by_value([f.get(n, '<absent>') for f in every])}"
@@ -136,7 +128,7 @@ def agree_on_batch(batch, group, same_batch):
     if group_size(group) == 1:
         return
     names, tensors = list(batch), list(batch.values())
-    device = _group_device(group)
+    device = group_device(group)
     header = _header(tensors, same_batch == "check").to(device)
     every = all_gather_dim(header.unsqueeze(0), 0, group)  # [p, 6 * len(tensors)]
     if not bool((every == every[0]).all()):  # the one host read
@@ -162,8 +154,7 @@ def agree_on_batch(batch, group, same_batch):
 def _broadcast_from_first_rank(tensors, group, device):
     """One broadcast of every tensor, packed into one int64 buffer, from the group's rank 0."""
     packed = torch.cat([t.reshape(-1).to(device, torch.int64) for t in tensors])
-    source = dist.get_global_rank(group, 0)
-    transfer("broadcast", packed, dist.broadcast, packed, source, group=group)
+    broadcast_(packed, 0, group)
     if group_rank(group) != 0:
         for t, received in zip(tensors, packed.split([t.numel() for t in tensors])):
             t.copy_(received.view(t.shape))

@@ -17,8 +17,10 @@ calls them `g` and `g-bar`; the letters are not Megatron's `g`. The P2P ring the
 layers use is in ring.py.
 
 Every function takes its group explicitly; a group of one rank returns early, so the same code
-runs at TP size 1. Every transfer goes through `transfer`, the one place a recording (the
-profile's timeline) can see it.
+runs at TP size 1. This file is the package's only door to `torch.distributed`'s
+communication (the harness's metrics and agreement.py's checks included): every tensor a
+collective creates lives on `group_device(group)`, the one device NCCL accepts, and every
+transfer goes through `transfer`, the one place a recording (the profile's timeline) can see it.
 """
 import contextlib
 
@@ -34,6 +36,16 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def group_device(group=None):
+    """Where a tensor must live to travel over `group` (None: the default group): this rank's
+    GPU under NCCL (the one `torch.cuda.set_device` chose), else the CPU. A group initialised
+    with "nccl" has no CPU backend: a CPU tensor fails there ("No backend type associated with
+    device type cpu")."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # The instrumentation seam: every transfer of the package passes through `transfer`
 # ----------------------------------------------------------------------------------------------
@@ -44,12 +56,11 @@ _recorder = None  # set only inside `recording(...)`; None costs one comparison 
 def recording(recorder):
     """Report every transfer (the collectives below, the ring steps of ring.py) to `recorder`.
 
-    `recorder.transfer(kind, nbytes, post, stream)` must call `post()`, which starts the
-    transfer and returns its handle (anything with `wait()`), or None when the call blocked
-    until it was done, and return a handle with the same `wait()`, or None where `post()` gave
-    None. `kind` is "all-gather", "reduce-scatter", "all-reduce", "broadcast" (agreement.py)
-    or "ring"; `stream` is the CUDA stream a ring step runs on (None elsewhere). Only one
-    recording at a time.
+    `recorder.transfer(kind, nbytes, post)` must call `post()`, which starts the transfer and
+    returns its handle (anything with `wait()`), or None when the call blocked until it was
+    done, and return a handle with the same `wait()`, or None where `post()` gave None. `kind`
+    is "all-gather", "reduce-scatter", "all-reduce", "broadcast" (agreement.py) or "ring".
+    Only one recording at a time.
     """
     global _recorder
     if _recorder is not None:
@@ -61,13 +72,13 @@ def recording(recorder):
         _recorder = None
 
 
-def transfer(kind, tensor, start, *args, stream=None, **kwargs):
+def transfer(kind, tensor, start, *args, **kwargs):
     """`start(*args, **kwargs)`: start a transfer of `tensor`'s bytes and return its handle (or
     None if it blocked); reported to the recording if one is active."""
     if _recorder is None:
         return start(*args, **kwargs)
     return _recorder.transfer(kind, tensor.numel() * tensor.element_size(),
-                              lambda: start(*args, **kwargs), stream)
+                              lambda: start(*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,6 +117,14 @@ def all_reduce_(x, group, op=dist.ReduceOp.SUM):
     return x
 
 
+def broadcast_(x, source, group):
+    """Overwrite `x` with group rank `source`'s `x`, in place, on every rank; returns `x`."""
+    if group_size(group) > 1:
+        transfer("broadcast", x, dist.broadcast, x, dist.get_global_rank(group, source),
+                 group=group)
+    return x
+
+
 def all_gather_dim(x, dim, group):
     """Concatenate every rank's `x` along `dim` (used for whole tensors: weights, grads, logits)."""
     p = group_size(group)
@@ -134,6 +153,53 @@ def average_over_group_(tensors, group):
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
     return tensors
+
+
+class _Pending:
+    """Several posted operations as one handle."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def send_recv(send, to, recv, source, group):
+    """Post, as one batch: send `send` to group rank `to`, receive into `recv` from group rank
+    `source`. Returns the pending pair; after its `wait()`, `recv` holds the data and `send` may
+    be written again (on NCCL: for work queued on the current stream after the wait)."""
+    # P2P calls address global ranks: translated here, the ring runs on any subgroup.
+    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group),
+           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, source), group)]
+    return transfer("ring", send, lambda: _Pending(dist.batch_isend_irecv(ops)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Small collectives for bookkeeping: numbers, objects, barriers (the harness and agreement.py)
+# ----------------------------------------------------------------------------------------------
+def reduce_numbers(values, group, op=dist.ReduceOp.SUM):
+    """Python numbers in, reduced over the group out (a list of floats): one all-reduce of a
+    float64 tensor made on the group's device."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=group_device(group))
+    return all_reduce_(t, group, op).tolist()
+
+
+def all_gather_objects(obj, group):
+    """[obj of group rank 0, obj of rank 1, ...] on every rank (pickled; for rare, small data).
+    torch moves the pickles on the device `torch.cuda.set_device` chose, under NCCL."""
+    if group_size(group) == 1:
+        return [obj]
+    every = [None] * group_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def barrier(group):
+    """Every rank of the group gets here before any leaves; on NCCL, on this rank's GPU."""
+    device = group_device(group)
+    dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 # ----------------------------------------------------------------------------------------------

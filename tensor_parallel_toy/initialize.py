@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .comm import barrier, group_device
+
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -53,10 +55,9 @@ def choose_backend(world_size, device="auto"):
 
 
 def current_device():
-    """The device this rank computes on: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device this rank computes on: its GPU under NCCL, else the CPU (the default group's
+    `comm.group_device`)."""
+    return group_device()
 
 
 def _set_threads(world_size):
@@ -175,7 +176,7 @@ def init_from_env(backend=None, timeout_s=DEFAULT_TIMEOUT_S):
 def shutdown():
     """Barrier first, so no rank tears down its connections while a peer is still using them."""
     if dist.is_initialized():
-        dist.barrier()
+        barrier(None)
         dist.destroy_process_group()
 
 

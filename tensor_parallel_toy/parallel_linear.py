@@ -53,22 +53,58 @@ def _bias_grad(dy):
     return _flat(dy).sum(dim=0)
 
 
+_FP32_OUT_GEMM = {}  # device type -> whether a bf16/fp16 GEMM can write fp32 there (out_dtype)
+
+
+def _has_fp32_out_gemm(device):
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs on this device for bf16 inputs:
+    on CUDA it does (one tensor-core GEMM, fp32 output), on CPU torch 2.13 has no such kernel.
+    Asked once per device type, by trying."""
+    if device.type not in _FP32_OUT_GEMM:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        try:
+            _FP32_OUT_GEMM[device.type] = torch.mm(a, a, out_dtype=torch.float32).dtype == \
+                torch.float32
+        except (NotImplementedError, RuntimeError, TypeError):
+            _FP32_OUT_GEMM[device.type] = False
+    return _FP32_OUT_GEMM[device.type]
+
+
+def weight_grad_path(device, dtype):
+    """How the overlapped layers sum a weight gradient of `dtype` on `device`, in words (the
+    profile records it)."""
+    if dtype == torch.float32:
+        return "fp32 GEMMs into an fp32 sum"
+    if _has_fp32_out_gemm(device):
+        return f"{str(dtype).replace('torch.', '')} GEMMs with fp32 output into an fp32 sum"
+    return "inputs upcast to fp32, fp32 GEMMs into an fp32 sum"
+
+
 class _WeightGradAccumulator:
     """dW = sum over chunks c of dY_c^T X_c, summed in fp32 whatever the weight's dtype.
 
     Summing bf16 partial products in bf16 rounds once per chunk; one GEMM over the whole
     sequence (the basic layers) rounds once at the end. Accumulating in fp32 and rounding once
     keeps the overlapped weight gradient as accurate as the basic one (Megatron does the same
-    with its fused fp32 gradient accumulation). The chunks' GEMMs then run in fp32: on GPUs a
-    GEMM with an fp32 output (`out_dtype`) would avoid the upcast copies.
+    with its fused fp32 gradient accumulation). For bf16 inputs, where the device has a GEMM
+    that reads bf16 and writes fp32 (CUDA: `out_dtype`), each chunk is one such GEMM at bf16
+    speed into a scratch buffer, then added; elsewhere (CPU) the chunks are upcast and
+    multiplied in fp32, which is slower but the same arithmetic.
     """
 
     def __init__(self, weight):
         self.dtype = weight.dtype
         self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.fp32_out = self.dtype != torch.float32 and _has_fp32_out_gemm(weight.device)
+        self.scratch = torch.empty_like(self.acc) if self.fp32_out else None
 
     def add(self, dy_c, x_c):
         dy_c, x_c = _flat(dy_c), _flat(x_c)
+        if self.fp32_out:
+            # addmm's out_dtype form wants its addend in the inputs' dtype: multiply, then add.
+            torch.mm(dy_c.t(), x_c, out_dtype=torch.float32, out=self.scratch)
+            self.acc.add_(self.scratch)
+            return
         if self.dtype != torch.float32:
             dy_c, x_c = dy_c.float(), x_c.float()
         self.acc.addmm_(dy_c.t(), x_c)
@@ -125,7 +161,7 @@ class _RingAllGatherGemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_local, weight, bias, group):
-        ring = Ring(group, x_local.device)
+        ring = Ring(group)
         n = x_local.shape[0]
         y = x_local.new_empty((n * ring.size, *x_local.shape[1:-1], weight.shape[0]))
         ring_all_gather(x_local, ring,
@@ -137,7 +173,7 @@ class _RingAllGatherGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_local, weight = ctx.saved_tensors
-        ring = Ring(ctx.group, x_local.device)
+        ring = Ring(ctx.group)
         dy = dy.contiguous()
         n = x_local.shape[0]
         dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
@@ -198,7 +234,7 @@ class _GemmRingReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
-        ring = Ring(group, x.device)
+        ring = Ring(group)
         n = x.shape[0] // ring.size
         y_local = ring_reduce_scatter(lambda c: F.linear(x[c * n:(c + 1) * n], weight), ring)
         return _finish_row_forward(ctx, y_local, x, weight, bias, group)
@@ -206,7 +242,7 @@ class _GemmRingReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_local):
         x, weight = ctx.saved_tensors
-        ring = Ring(ctx.group, x.device)
+        ring = Ring(ctx.group)
         n = dy_local.shape[0]
         # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
         # whose row slices are views (a reshape of a strided slice would be a copy).

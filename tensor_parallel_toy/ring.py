@@ -8,92 +8,46 @@ Notation: p = ring size, r = this rank's index in the group, chunk c = the c-th 
 blocks along the sequence (rows c*s/p:(c+1)*s/p), which rank c holds under sequence
 parallelism.
 
-On CPU (gloo) a posted transfer progresses on gloo's own thread. On CUDA it runs on a side
-stream of its own (one per group and device), ordered against the compute stream with events,
-so that NCCL's kernels can run beside the GEMM's.
+One code path on every backend: post the step from the current stream, compute, then
+`wait()`. Where the transfer runs while we compute is the backend's business:
+- gloo (CPU): on gloo's own threads; `wait()` blocks the host until the bytes are in.
+- NCCL (GPU): on ProcessGroupNCCL's internal CUDA stream, which is the second stream of the
+  overlap. Posting makes that stream wait for the work already queued on the current stream
+  (so it never reads `send` before the GEMM that wrote it is done), and keeps `send` and `recv`
+  alive until the wait; `wait()` makes the *current stream* wait for the transfer and returns
+  at once, without blocking the host (see the notes on `Work.wait` in
+  https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
+  and ProcessGroupNCCL.cpp's `WorkNCCL::synchronizeStream`). The GEMM queued between post and
+  wait therefore runs beside NCCL's kernels; whatever comes after the wait (the next GEMM, the
+  reuse of a buffer) is ordered after the transfer by the stream itself.
+So the ring needs no stream, event or `record_stream` of its own, and the CPU tests run exactly
+the code a GPU runs, except what NCCL does inside. The transfers' priority is set where the
+process group is made (initialize.py, `high_priority_streams`), not here.
 """
-import torch
-import torch.distributed as dist
-
-from .comm import group_rank, group_size, transfer
-
-_COMM_STREAMS = {}  # one CUDA side stream per (group, device), created once and reused
-
-
-def _comm_stream(group, device):
-    key = (group, device)
-    if key not in _COMM_STREAMS:
-        _COMM_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _COMM_STREAMS[key]
-
-
-class _Pending:
-    """A posted ring step. `wait()` makes the received chunk safe to read on this rank."""
-
-    def __init__(self, works=None, done_event=None):
-        self.works, self.done_event = works, done_event
-
-    def wait(self):
-        if self.done_event is not None:
-            # GPU: the compute stream waits for the comm stream; the host never blocks.
-            torch.cuda.current_stream().wait_event(self.done_event)
-        else:
-            for work in self.works:
-                work.wait()
+from .comm import group_rank, group_size, send_recv
 
 
 class Ring:
-    """This rank's neighbours in a ring over `group`, and one step of traffic around it.
+    """This rank's neighbours in a ring over `group`, and one step of traffic around it."""
 
-    P2P calls address *global* ranks, so the group-local neighbours are translated with
-    `get_global_rank`; that is what lets the overlap run on any subgroup, not only WORLD.
-    """
-
-    def __init__(self, group, device):
+    def __init__(self, group):
         self.group = group
         self.size, self.rank = group_size(group), group_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.stream = _comm_stream(group, device) if device.type == "cuda" else None
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
     def shift(self, send, recv):
         """Post: send `send` to the next rank, receive into `recv` from the previous one.
-        Returns the pending step: its `wait()` makes `recv` safe to read."""
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        if self.stream is None:
-            # CPU/gloo: the transfer progresses on gloo's own thread while we compute.
-            return transfer("ring", send, self._post, ops)
-        return transfer("ring", send, self._post_on_stream, ops, send, recv, stream=self.stream)
-
-    @staticmethod
-    def _post(ops):
-        return _Pending(works=dist.batch_isend_irecv(ops))
-
-    def _post_on_stream(self, ops, send, recv):
-        # `send` was written on the compute stream; the comm stream must not read it early.
-        ready = torch.cuda.Event()
-        ready.record()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()  # on NCCL this orders the comm stream, it does not block the host
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        # Both buffers were allocated on the compute stream and are now used on the comm
-        # stream: tell the caching allocator not to hand them out again before it is done.
-        send.record_stream(self.stream)
-        recv.record_stream(self.stream)
-        return _Pending(done_event=done)
+        Returns the pending step: after its `wait()`, `recv` holds the chunk and `send` may be
+        written again."""
+        return send_recv(send, self.next, recv, self.prev, self.group)
 
 
 def ring_all_gather(shard, ring, consume):
     """Pass this rank's `shard` around the ring; call `consume(c, chunk_c)` on every chunk.
 
     shard `[n, ...]` (this rank's chunk r); `consume(c, chunk)` gets each of the p chunks once,
-    its own first, and must not keep `chunk` (its buffer receives again during the next
-    step). The plain code it is equivalent to, with each transfer hidden under a `consume`
-    instead:
+    its own first, and must not keep `chunk` (its buffer receives again two steps later). The
+    plain code it is equivalent to, with each transfer hidden under a `consume` instead:
 
         chunks = all_gather(shard)                  # [p, n, ...], chunk c from rank c
         for k in range(p):
@@ -106,11 +60,13 @@ def ring_all_gather(shard, ring, consume):
     """
     p, r = ring.size, ring.rank
     current = shard.contiguous()  # P2P sends and receives whole, densely packed buffers
-    spare = [torch.empty_like(current) for _ in range(min(p - 1, 2))]
+    spare = [current.new_empty(current.shape) for _ in range(min(p - 1, 2))]
     for k in range(p):
         pending = None
         if k < p - 1:
-            incoming = spare[k % 2]  # not the buffer being sent, nor the one just consumed
+            # Not `current` (sent and consumed during this step), and never the caller's shard.
+            # The other spare held the chunk of step k-1: consumed and sent, both waited for.
+            incoming = spare[k % 2]
             pending = ring.shift(send=current, recv=incoming)
         consume((r - k) % p, current)
         if pending is not None:
@@ -137,10 +93,12 @@ def ring_reduce_scatter(produce, ring):
     acc = produce((r - 1) % p).contiguous()
     if p == 1:
         return acc
-    incoming = [torch.empty_like(acc), torch.empty_like(acc)]
+    # One receive buffer is enough: the add that reads it is queued before the next step's
+    # receive is posted, and the post orders the transfer after it.
+    incoming = acc.new_empty(acc.shape)
     for k in range(1, p):
-        pending = ring.shift(send=acc, recv=incoming[k % 2])
+        pending = ring.shift(send=acc, recv=incoming)
         partial = produce((r - 1 - k) % p)
         pending.wait()
-        acc = partial.add_(incoming[k % 2])
+        acc = partial.add_(incoming)
     return acc

@@ -47,11 +47,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm import barrier, reduce_numbers
 from ..initialize import current_device
 from ..parallel_linear import column_parallel_linear, row_parallel_linear
 from ..ring import Ring, ring_reduce_scatter
+from .metrics import DeviceTimer
 from .metrics import summarize as distribution
-from .metrics import synchronize
 
 OPS = {
     "column_fwd": "AG+GEMM, column forward",
@@ -93,8 +94,8 @@ class _Op:
         p = dist.get_world_size(group)
         r = dist.get_rank(group)
         n = s // p
-        ring = Ring(group, device)
-        self.seq_comm_s = []
+        ring = Ring(group)
+        self.device, self.seq_comm_s = device, []
         new = lambda *shape, grad=False: torch.randn(  # noqa: E731
             *shape, device=device, dtype=dtype).requires_grad_(grad)
         mm = lambda a, b_, out: torch.mm(a.reshape(-1, a.shape[-1]), b_,  # noqa: E731
@@ -147,33 +148,34 @@ class _Op:
         """No overlap: a gather phase must receive before it computes, a reduce-scatter
         phase must compute the partial sums before it sends them. Records how long the
         transfers took in here (`self.seq_comm_s`), to compare with the transfers alone."""
-        in_comm = 0.0
+        timers = []
         for comm, gemm, order in self.phases:
             if order == "gemm first":
                 gemm()
-            start = time.perf_counter()
-            comm()
-            in_comm += time.perf_counter() - start
+            with DeviceTimer(self.device) as timer:
+                comm()
+            timers.append(timer)
             if order == "comm first":
                 gemm()
-        self.seq_comm_s.append(in_comm)
+        self.seq_comm_s.append(sum(t.seconds for t in timers))  # CUDA: read after queueing
 
 
 def _timed(fn, device, group):
-    """(wall, CPU of the whole process, CPU of this thread) seconds of one call of `fn`.
-    Process minus thread CPU is what gloo's own threads spent."""
-    dist.barrier(group=group)  # every rank starts the op together
-    c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
+    """(time, CPU of the whole process, CPU of this thread) seconds of one call of `fn`. The
+    time is the host's on CPU, the GPU's (CUDA events on this rank's stream) on CUDA. Process
+    minus thread CPU is what gloo's own threads spent (meaningful on CPU only)."""
+    barrier(group)  # every rank starts the op together
+    c0, m0 = time.process_time(), time.thread_time()
+    with DeviceTimer(device) as timer:
+        fn()
+    return timer.seconds, time.process_time() - c0, time.thread_time() - m0
 
 
 def _median_max(fn, device, group, iters):
     """Median over `iters` runs of the slowest rank's time."""
-    times = torch.tensor([_timed(fn, device, group)[0] for _ in range(iters)], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times.median().item()
+    times = reduce_numbers([_timed(fn, device, group)[0] for _ in range(iters)], group,
+                           dist.ReduceOp.MAX)
+    return _median(times)
 
 
 def choose_ffn(s, b, h, group, device, dtype, ratio=TARGET_COMM_OVER_GEMM):

@@ -108,6 +108,39 @@ def now(device):
     return time.perf_counter()
 
 
+class DeviceTimer:
+    """`with DeviceTimer(device) as t: ...`, then `t.seconds`: how long the work inside took.
+
+    CPU: host time (the work is done when the calls return). CUDA: the time between two events
+    queued on `device`'s current stream before and after, i.e. what the GPU did, not how long
+    the host took to queue it; reading `seconds` waits for the second event."""
+
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def _stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def __enter__(self):
+        self.start = self._stamp()
+        return self
+
+    def __exit__(self, *exc):
+        self.end = self._stamp()
+
+    @property
+    def seconds(self):
+        if not self.cuda:
+            return self.end - self.start
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 def summarize(values):
     """Median and spread of a list of timings (seconds)."""
     values = sorted(values)

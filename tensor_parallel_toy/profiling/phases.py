@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm import all_gather_objects
 from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train
 from .output import write_text
 
@@ -73,10 +74,7 @@ class TorchrunRunner:
         self.rank = dist.get_rank()
 
     def run(self, fn, *args):
-        mine = fn(*args)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        return gathered
+        return all_gather_objects(fn(*args), dist.group.WORLD)
 
 
 def _say(runner, text):

@@ -2,15 +2,21 @@
 
 Spans, per rank, in two rows:
 - compute: every non-view aten op, timed by a TorchDispatchMode (GEMMs, attention, the rest),
-  plus the time the host spends posting a transfer and blocked waiting for one;
+  plus the time the compute side spent posting a transfer and blocked waiting for one;
 - comm: each transfer from the moment it is posted until the moment its wait returned.
 
-On CPU the times are host timestamps (`time.perf_counter`, one clock for every process on the
-machine) around each op and around the work handles. gloo's P2P work handles can only be
-waited on once and have no completion callback, so a transfer's end is when its wait returned:
-if the wait did not block, the transfer finished earlier, under the compute before it. On CUDA
-each span is a pair of CUDA events: compute on the current stream, ring transfers on the
-communication stream.
+The ring's code is the same on both devices (post, compute, wait: see ring.py); what a span
+means follows the device:
+- CPU: host timestamps (`time.perf_counter`, one clock for every process on the machine). gloo's
+  P2P work handles can only be waited on once and have no completion callback, so a transfer's
+  end is when its wait returned: if the wait did not block, the transfer finished earlier,
+  under the compute before it. "post" is the host's time spent posting; "wait" the host
+  blocked in a wait.
+- CUDA: every stamp is a CUDA event on this rank's current (compute) stream, so a span is what
+  the GPU did, not when the host queued it. "wait" is the time the compute stream stalled at a
+  `wait()`, from an event queued just before it to one just after: NCCL's stream had not
+  finished the transfer yet. A transfer's bar runs from its post (NCCL's stream may start
+  then) to the end of its wait. Posting costs the host, not the stream: no "post" spans.
 
 Every transfer of the package passes through `comm.transfer`; `record_into(clock)` installs a
 `_Recorder` there with `comm.recording`, so whatever runs inside it has every collective and
@@ -26,6 +32,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import comm
+from ..comm import barrier, reduce_numbers
 from ..initialize import current_device
 from ..model import TransformerBlock, rotary_tables
 from .metrics import summarize as distribution
@@ -35,23 +42,20 @@ SPAN_NAMES = {"ring": "send/recv"}  # a transfer's span is named by its kind, a 
 
 
 class Clock:
-    """Host timestamps on CPU, CUDA events on GPU; `add()` stores spans of either kind, and
-    `finish()` turns them into milliseconds since the clock was made."""
+    """Host timestamps on CPU, CUDA events on the current stream of `device` on GPU; `add()`
+    stores spans of either kind, and `finish()` turns them into milliseconds since the clock
+    was made."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.spans = []
-        if self.cuda:
-            self.origin = torch.cuda.Event(enable_timing=True)
-            self.origin.record()
-        else:
-            self.origin = time.perf_counter()
+        self.origin = self.stamp()
 
-    def stamp(self, stream=None):
+    def stamp(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def add(self, row, kind, name, start, end, **extra):
@@ -64,7 +68,7 @@ class Clock:
     def finish(self):
         """Convert every stamp to milliseconds since the origin."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             ms = lambda e: self.origin.elapsed_time(e)  # noqa: E731
         else:
             ms = lambda t: (t - self.origin) * 1e3  # noqa: E731
@@ -101,14 +105,10 @@ class _TimedHandle:
 
     def wait(self):
         begin = self.clock.stamp()
-        self.handle.wait()
+        self.handle.wait()  # CPU: the host blocks; CUDA: the compute stream waits, not the host
         end = self.clock.stamp()
-        if not self.clock.cuda:  # on GPU the host never blocks
-            self.clock.add("compute", "wait", "wait", begin, end)
-        # On GPU a ring step's bar ended on its own stream when it was posted; a collective
-        # runs on NCCL's stream, which this wait orders the current stream after.
-        if not self.clock.cuda or self.kind != "ring":
-            self.clock.add_transfer(self.kind, self.start, end, self.nbytes)
+        self.clock.add("compute", "wait", "wait", begin, end)
+        self.clock.add_transfer(self.kind, self.start, end, self.nbytes)
 
 
 class _Recorder:
@@ -117,19 +117,16 @@ class _Recorder:
     def __init__(self, clock):
         self.clock = clock
 
-    def transfer(self, kind, nbytes, post, stream=None):
+    def transfer(self, kind, nbytes, post):
         clock = self.clock
         start = clock.stamp()
         handle = post()
-        if handle is None:  # a blocking call: the host waited throughout
+        if handle is None:  # a blocking call: nothing computed until it was done
             end = clock.stamp()
-            if not clock.cuda:
-                clock.add("compute", "wait", "wait", start, end)
+            clock.add("compute", "wait", "wait", start, end)
             clock.add_transfer(kind, start, end, nbytes)
             return None
-        if clock.cuda and stream is not None:  # a ring step on its own stream: ends there
-            clock.add_transfer(kind, start, clock.stamp(stream), nbytes)
-        elif not clock.cuda:
+        if not clock.cuda:
             clock.add("compute", "post", "post", start, clock.stamp())
         return _TimedHandle(handle, clock, kind, start, nbytes)
 
@@ -142,7 +139,7 @@ def record_into(clock):
 
 
 def _record_once(block, x_in, dy, cos, sin, device, group):
-    dist.barrier(group=group)  # every rank starts at (nearly) the same time
+    barrier(group)  # every rank starts at (nearly) the same time
     clock = Clock(device)
     with record_into(clock):
         y = block(x_in, cos, sin)
@@ -185,18 +182,19 @@ def record(spec):
                                            group))
     out = {}
     for mode in modes:
-        totals = torch.tensor([max(s["end"] for s in spans) for spans in runs[mode]],
-                              dtype=torch.float64)
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=group)  # same choice on all ranks
-        out[mode] = {"spans": runs[mode][int(totals.argsort()[len(totals) // 2])],
+        totals = reduce_numbers([max(s["end"] for s in spans) for spans in runs[mode]], group,
+                                dist.ReduceOp.MAX)  # the slowest rank's: the same on all ranks
+        median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
+        out[mode] = {"spans": runs[mode][median],
                      "recordings": [span_totals(spans) for spans in runs[mode]]}
     return out
 
 
 def span_totals(spans):
-    """One rank's recording in a few numbers (ms): the block's time, and how long the host was
-    blocked waiting for communication, posting transfers, and in GEMMs, and the transfers'
-    bars added up."""
+    """One rank's recording in a few numbers (ms): the block's time, and how long the compute
+    side was blocked waiting for communication (CPU: the host; CUDA: the compute stream),
+    posting transfers (CPU only: 0 on CUDA, where posting costs the host, not the stream), and
+    in GEMMs, and the transfers' bars added up."""
     def length(keep):
         return sum(s["end"] - s["start"] for s in spans if keep(s))
     return {"total_ms": max(s["end"] for s in spans if s["kind"] == "end"),

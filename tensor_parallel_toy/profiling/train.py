@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dtensor_tp
-from ..comm import all_reduce_
+from ..comm import all_reduce_, barrier
 from ..data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
 from ..initialize import current_device
 from ..model import Transformer
@@ -221,7 +221,7 @@ class _ModeRun:
                 resident = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
             if self.aligned:
-                dist.barrier(group=self.world)
+                barrier(self.world)
             sent, start = _sent_bytes(), now(device)
             loss, norm, sizes = train_step(self.mode, self.model, self.optimizer, ids, labels,
                                            self.group, meter, self.dp_group)
