@@ -21,16 +21,25 @@ from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_in
 from tensor_parallel_toy.profiling.spec import MODELS, MODES
 from tensor_parallel_toy.profiling.train import interleaved_order
 
+from .collective_guard import GuardedRunner, guarded_call
+from .helpers import BACKENDS
+
 TINY = ["--steps", "4", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
         "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
         "--bench-shape", "16,2,32,64", "--timeline-iters", "1"]
 
 
-def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backend):
     flags = [*TINY, "--bench-iters", "12", "--timeline-iters", "3"]  # 3 blocks, 3 recordings
-    args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
+    device = ["--device", "cuda"] if backend == "nccl" else []
+    args = profile.parse_args([*flags, *device, "--out", str(tmp_path)], env={})
     args.argv = flags
-    results = phases.run_phases(phases.PoolRunner(pools(2)), args)
+    # Every collective of every phase, on every rank, passes through comm.py with its tensors
+    # on the group's device (collective_guard.py): the defect that crashed the profile on NCCL.
+    runner = GuardedRunner(phases.PoolRunner(pools(2, backend)))
+    results = phases.run_phases(runner, args)
+    assert not runner.violations, "\n".join(runner.violations)
     results["meta"]["runtime_s"] = 0.0
     summary = phases.write_outputs(results, str(tmp_path))
 
@@ -385,3 +394,21 @@ def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_sam
             assert max(d["grad_norm_rel_err_vs_baseline"]) <= 1e-4, \
                 (mode, d["grad_norm_rel_err_vs_baseline"])
     assert {"tp_overlap/hf_dtensor", "tp/hf_dtensor"} <= set(results["ratios"]), results["ratios"]
+
+
+def _on_rank_calibrate():
+    """The overlap benchmark's calibration (skipped by the smoke test's --bench-shape)."""
+    import torch.distributed as dist
+
+    from tensor_parallel_toy.initialize import current_device
+    from tensor_parallel_toy.profiling.bench_overlap import choose_ffn
+    return choose_ffn(16, 2, 32, dist.group.WORLD, current_device(), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlap_calibration_communicates_through_comm_on_the_group_device(pools, backend):
+    per_rank = pools(2, backend).run(guarded_call, _on_rank_calibrate)
+    violations = [line for _, found in per_rank for line in found]
+    assert not violations, "\n".join(violations)
+    ffn = [f for f, _ in per_rank]
+    assert ffn[0] == ffn[1] and ffn[0] % 16 == 0, ffn  # one m for all ranks, a multiple of 8p
