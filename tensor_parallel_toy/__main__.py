@@ -9,11 +9,14 @@ import sys
 def _test(extra_args):
     import pytest
 
-    import torch
+    from .initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
 
-    gpus = torch.cuda.device_count()
+    gpus = gpu_count()
+    shared = nccl_rank_capacity() > gpus
     print("tensor_parallel_toy test: ranks are CPU processes over gloo"
-          + (f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
+          + (f"; the NCCL tests also run, their ranks sharing 1 GPU ({SHARE_GPU_ENV}=1: a "
+             f"correctness run, its speed means nothing)" if shared else
+             f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
     # Test files named on the command line replace the default: the whole suite.

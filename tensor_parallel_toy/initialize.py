@@ -36,22 +36,68 @@ class LaunchError(RuntimeError):
 
 
 DEVICES = ("auto", "cpu", "cuda")
+# Set to 1: several NCCL ranks may share this machine's first GPU (see `share_gpu_env`).
+SHARE_GPU_ENV = "TENSOR_PARALLEL_TOY_SHARE_GPU"
+
+
+def gpu_count():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_rank_capacity(env=os.environ):
+    """How many NCCL ranks this machine can run: one per GPU, or any number on one GPU when
+    SHARE_GPU_ENV=1 (a correctness run; see `share_gpu_env`)."""
+    gpus = gpu_count()
+    return 1 << 10 if gpus and env.get(SHARE_GPU_ENV) == "1" else gpus
 
 
 def choose_backend(world_size, device="auto"):
     """NCCL with one GPU per rank when there are enough GPUs, otherwise gloo on CPU."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not one of: {', '.join(DEVICES)}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cpu" or (device == "auto" and gpus < world_size):
+    gpus, capacity = gpu_count(), nccl_rank_capacity()
+    if device == "cpu" or (device == "auto" and capacity < world_size):
         return "gloo"
     if gpus == 0:
         raise ValueError("device=cuda was requested but no CUDA GPU is available; "
                          "use device=cpu (or auto)")
-    if gpus < world_size:
+    if capacity < world_size:
         raise ValueError(f"device=cuda with {world_size} ranks needs {world_size} GPUs, "
-                         f"found {gpus}; use at most {gpus} ranks or device=cpu")
+                         f"found {gpus}; use at most {gpus} ranks or device=cpu "
+                         f"(or {SHARE_GPU_ENV}=1 for a correctness run on one GPU)")
     return "nccl"
+
+
+def share_gpu_env(rank):
+    """Environment that lets NCCL run several ranks on one GPU: each rank claims to be its own
+    host (a per-rank NCCL_HOSTID), so NCCL does not refuse the second rank ("Duplicate GPU
+    detected") and connects the ranks through sockets on loopback. NCCL's maintainers do not
+    support this; it is slow and the ranks share the GPU's SMs, so its timings mean nothing. It
+    runs the real NCCL code path, which is what a correctness check on one GPU needs."""
+    return {"NCCL_HOSTID": f"tensor-parallel-toy-rank-{rank}", "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_IB_DISABLE": "1"}
+
+
+def nccl_options(high_priority_streams=False):
+    """ProcessGroupNCCL's options, or None for its defaults. `high_priority_streams`: NCCL's
+    internal CUDA streams (the ones the ring's transfers and every asynchronous collective run
+    on) get the highest priority, so the GPU schedules their kernels ahead of the GEMMs'. Off
+    by default, as in torch; the environment variable TORCH_NCCL_HIGH_PRIORITY=1 does the same
+    for every group. A stream created by the caller could not do this: NCCL does not run on it.
+    """
+    if not high_priority_streams:
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
+def _bind_gpu(local_rank, world_size):
+    """This rank's GPU: its own, or the first one when ranks share it. Made current, and
+    returned for `init_process_group(device_id=...)`, which binds the group to it."""
+    device = torch.device("cuda", 0 if gpu_count() < world_size else local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def current_device():
@@ -134,20 +180,26 @@ def _wait_for_rendezvous(address, port, timeout_s):
             time.sleep(0.5)
 
 
-def init_from_env(backend=None, timeout_s=DEFAULT_TIMEOUT_S):
+def init_from_env(backend=None, timeout_s=DEFAULT_TIMEOUT_S, high_priority_streams=False):
     """Join the process group described by torchrun's environment variables.
 
-    `timeout_s` bounds both joining and every collective after. Raises `LaunchError`, one line
-    naming the address and the variable to check, when the group cannot be formed: a
-    multi-host gloo job whose host name resolves to loopback (before trying), rank 0's store
-    unreachable, or the backend failing to connect the ranks.
+    `timeout_s` bounds both joining and every collective after. Under NCCL each rank binds
+    the GPU LOCAL_RANK names (see `nccl_options` for `high_priority_streams`). Raises
+    `LaunchError`, one line naming the address and the variable to check, when the group
+    cannot be formed: a multi-host gloo job whose host name resolves to loopback (before
+    trying), rank 0's store unreachable, or the backend failing to connect the ranks.
     """
     env = os.environ
     world_size = int(env["WORLD_SIZE"])
     local = int(env.get("LOCAL_WORLD_SIZE", world_size))
     backend = backend or choose_backend(local)
+    nccl = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        if gpu_count() < local:  # SHARE_GPU_ENV: choose_backend allowed it
+            os.environ.update(share_gpu_env(int(env.get("RANK", 0))))
+        nccl = {"device_id": _bind_gpu(local_rank, local),
+                "pg_options": nccl_options(high_priority_streams)}
     else:
         problem = gloo_loopback_problem(env, *_host_addresses())
         if problem:
@@ -158,7 +210,7 @@ def init_from_env(backend=None, timeout_s=DEFAULT_TIMEOUT_S):
             env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's agent has the store
         _wait_for_rendezvous(address, int(port), timeout_s)
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **nccl)
     except (RuntimeError, ValueError) as e:  # torch's DistError is a RuntimeError
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         if reason.startswith("[enforce fail"):  # gloo's: the source line, a condition, then why
@@ -189,16 +241,21 @@ def _exit_with_parent(parent_pid):
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid):
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid,
+                 high_priority_streams=False):
     _exit_with_parent(parent_pid)
     try:
+        nccl = {}
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            if gpu_count() < world_size:  # SHARE_GPU_ENV: choose_backend allowed it
+                os.environ.update(share_gpu_env(rank))
+            nccl = {"device_id": _bind_gpu(rank, world_size),
+                    "pg_options": nccl_options(high_priority_streams)}
         else:
             _set_threads(world_size)
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), **nccl)
         results.put((rank, "ready", None))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -218,7 +275,8 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, par
 class WorkerPool:
     """`world_size` local ranks in one process group, reused across many `run` calls."""
 
-    def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
+    def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
+                 high_priority_streams=False):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world size {world_size!r} must be a positive integer")
         devices = {None: "auto", "gloo": "cpu", "nccl": "cuda"}
@@ -237,7 +295,8 @@ class WorkerPool:
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
                         args=(rank, world_size, self._store.port, self.backend, timeout_s,
-                              self._tasks[rank], self._results, os.getpid()))
+                              self._tasks[rank], self._results, os.getpid(),
+                              high_priority_streams))
             for rank in range(world_size)]
         for proc in self._procs:
             proc.start()

@@ -104,10 +104,17 @@ class _LoadMeter:
             self.cores = max(0.0, (busy - self.busy - ours) / (wall - self.wall))
 
 
+def _weight_grad_path(dtype):
+    from ..initialize import current_device
+    from ..parallel_linear import weight_grad_path
+    return weight_grad_path(current_device(), dtype)
+
+
 def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     spec = args.spec
     threads = runner.run(_threads, spec.threads)
+    wgrad = runner.run(_weight_grad_path, spec.torch_dtype)[0]
     if spec.dp > 1 and (spec.bench_iters > 0 or spec.timeline_iters > 0):
         _say(runner, f"skipping the per-op benchmark and the timeline with --dp {spec.dp}: they "
                      f"time single TP ops and one block, which data parallelism does not change; "
@@ -127,7 +134,8 @@ def run_phases(runner, args):
              for mode in spec.modes}
     load["modes"] = meter.cores
     report.add_baseline_errors(modes)
-    results = {"meta": _meta(args, threads, load), "config": _config(args), "modes": modes,
+    results = {"meta": {**_meta(args, threads, load), "overlap_weight_grad": wgrad},
+               "config": _config(args), "modes": modes,
                "ratios": report.step_time_ratios(modes, spec.warmup)}
     if classic_skip is None:
         k += 1
@@ -166,6 +174,7 @@ def _meta(args, threads, load):
             "device": "cuda" if args.backend == "nccl" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
             "backend": args.backend, "world_size": args.tp * args.dp, "tp": args.tp,
+            "nccl_high_priority_streams": args.nccl_high_priority,
             "dp": args.dp,
             "cpu_count": os.cpu_count(), "threads_per_rank": threads[0],
             "baseline_threads": args.spec.baseline_threads, "external_load_cores": load,

@@ -4,9 +4,8 @@ Spawning a rank costs seconds (each imports torch), so the suite pays it once pe
 not once per test. A pool that lost a rank (a worker error kills it) is replaced on next use.
 """
 import pytest
-import torch
 
-from tensor_parallel_toy.initialize import WorkerPool
+from tensor_parallel_toy.initialize import WorkerPool, gpu_count, nccl_rank_capacity
 
 
 @pytest.fixture(scope="session")
@@ -16,9 +15,9 @@ def pools():
     def get(world_size, backend="gloo"):
         key = (backend, world_size)
         if key not in live or not live[key].alive:
-            if backend == "nccl" and torch.cuda.device_count() < world_size:
+            if backend == "nccl" and nccl_rank_capacity() < world_size:
                 pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, "
-                            f"found {torch.cuda.device_count()}")
+                            f"found {gpu_count()}")
             live[key] = WorkerPool(world_size, backend=backend)
         return live[key]
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensor_parallel_toy.config import ModelConfig
-from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
+                                            nccl_rank_capacity)
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.profiling.spec import DTYPES  # noqa: F401 (the one name -> dtype map)
 from tensor_parallel_toy.sharding import grad_norm
@@ -30,8 +31,9 @@ MODEL_FP32_TOL = 1e-5  # whole model in fp32, along SGD steps: measured worst ~1
 BACKENDS = [
     pytest.param("gloo", id="gloo"),
     pytest.param("nccl", id="nccl", marks=pytest.mark.skipif(
-        torch.cuda.device_count() < 2,
-        reason=f"NCCL tests need >= 2 CUDA GPUs, found {torch.cuda.device_count()}")),
+        nccl_rank_capacity() < 2,
+        reason=f"NCCL tests need >= 2 CUDA GPUs (or {SHARE_GPU_ENV}=1 and one), found "
+               f"{gpu_count()}")),
 ]
 
 # Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
