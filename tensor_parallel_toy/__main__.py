@@ -1,6 +1,8 @@
 """Command line: `python -m tensor_parallel_toy test [pytest args...]`,
-`python -m tensor_parallel_toy profile [flags]` (see `profile --help`) and
-`python -m tensor_parallel_toy blog` (the posts' figures and text, from the committed results)."""
+`python -m tensor_parallel_toy profile [flags]` (see `profile --help`),
+`python -m tensor_parallel_toy gpu-check [flags]` (everything claimed about GPUs, run on this
+machine's; see `gpu-check --help`) and `python -m tensor_parallel_toy blog` (the posts' figures
+and text, from the committed results)."""
 import argparse
 import os
 import sys
@@ -56,6 +58,10 @@ def main(argv=None):
     sub.add_parser("profile", add_help=False,
                    help="train baseline / tp / tp_overlap / dtensor side by side and measure "
                         "them; `profile --help` lists the flags")
+    sub.add_parser("gpu-check", add_help=False,
+                   help="run the NCCL tests, the CUDA stream sanitizer, a profile and a "
+                        "large-shape overlap benchmark on this machine's GPUs; "
+                        "`gpu-check --help` lists the flags")
     sub.add_parser("blog", help="redraw the posts' conceptual figures and render blog/src/*.md "
                                 "with the numbers of the committed profile runs")
     args, extra = parser.parse_known_args(argv)
@@ -64,6 +70,9 @@ def main(argv=None):
     if args.command == "profile":
         from .profiling.cli import main as profile_main
         return profile_main(extra)
+    if args.command == "gpu-check":
+        from .gpu_check import main as gpu_check_main
+        return gpu_check_main(extra)
     if args.command == "blog":
         if extra:
             parser.error(f"blog takes no arguments, got {' '.join(extra)}")

@@ -109,6 +109,56 @@ def test_bad_device_requests_are_refused_with_what_is_valid():
     assert choose_backend(64, "auto") == ("gloo" if gpus < 64 else "nccl")
 
 
+def test_ranks_share_one_gpu_only_when_asked_each_claiming_its_own_nccl_host(monkeypatch):
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 1)
+    assert initialize.nccl_rank_capacity(env={}) == 1
+    assert initialize.nccl_rank_capacity(env={initialize.SHARE_GPU_ENV: "1"}) >= 8
+    with pytest.raises(ValueError, match=initialize.SHARE_GPU_ENV):
+        choose_backend(2, "cuda")  # one GPU, two ranks, not asked to share: refused, and why
+    monkeypatch.setenv(initialize.SHARE_GPU_ENV, "1")
+    assert choose_backend(2, "cuda") == choose_backend(2, "auto") == "nccl"
+    hosts = {initialize.share_gpu_env(rank)["NCCL_HOSTID"] for rank in range(4)}
+    assert len(hosts) == 4, hosts  # the same host id on two ranks: "Duplicate GPU detected"
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 0)
+    assert initialize.nccl_rank_capacity() == 0  # sharing needs a GPU to share
+
+
+def test_nccl_streams_keep_torch_default_priority_unless_asked():
+    assert initialize.nccl_options(False) is None
+    if hasattr(torch.distributed, "ProcessGroupNCCL"):  # a CUDA build of torch
+        assert initialize.nccl_options(True).is_high_priority_stream
+
+
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
+    from tensor_parallel_toy import gpu_check
+    for gpus, flags, words in [(0, [], ["no CUDA GPU here"]),
+                               (1, [], ["1 CUDA GPU", "--share-gpu"])]:
+        assert gpu_check.main(flags, gpus=gpus) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), err
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 2  # what this machine really has
+
+
+def test_gpu_check_plan_runs_the_nccl_tests_sanitizer_profile_and_large_benchmark(tmp_path):
+    from tensor_parallel_toy import gpu_check
+    from tensor_parallel_toy.profiling import cli
+    out = str(tmp_path)
+    steps = {s.name: s for s in gpu_check.plan(2, False, out)}
+    assert list(steps) == ["nccl-tests", "sanitizer", "profile", "large-overlap"], list(steps)
+    assert steps["sanitizer"].env["TORCH_CUDA_SANITIZER"] == "1"
+    assert steps["nccl-tests"].argv[-2:] == ["-k", "nccl"]
+    for name in ("profile", "large-overlap"):  # the flags parse (without --device cuda here)
+        argv = steps[name].argv[3:]
+        assert argv[:3] == ["profile", "--device", "cuda"], argv
+        args = cli.parse_args(argv[3:], env={})
+        assert args.device == "auto", name
+    assert steps["large-overlap"].results == out
+    shared = {s.name: s for s in gpu_check.plan(1, True, out)}
+    assert "large-overlap" not in shared  # two ranks on one GPU: no timings worth keeping
+    assert all(s.env.get(initialize.SHARE_GPU_ENV) == "1" for s in shared.values())
+
+
 # ----------------------------------------------------------------------------------------------
 # Joining a process group from the environment (torchrun, or RANK/WORLD_SIZE/MASTER_* by hand)
 # ----------------------------------------------------------------------------------------------

@@ -149,6 +149,8 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--model", "llama", "--modes", "dtensor"], ["hf_dtensor", "dtensor needs --model default"]),
     (["--model", "llama", "--kv-heads", "1"], ["num_key_value_heads=1", "size 2"]),
     (["--model", "llama", "--tie-embeddings"], ["tie_word_embeddings=True"]),
+    (["--device", "cpu", "--nccl-high-priority"], ["--nccl-high-priority", "gloo",
+                                                    "--device cuda"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])

@@ -253,20 +253,24 @@ def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dty
         assert_bf16(per_rank, what)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", [2, 3])
 def test_parallel_linear_takes_transposed_views_of_batch_first_tensors(pools, tp, kind, overlap,
-                                                                      bias):
-    per_rank = pools(tp).run(_on_rank_check_linear_strided, kind, overlap, bias)
+                                                                      bias, backend):
+    per_rank = pools(tp, backend).run(_on_rank_check_linear_strided, kind, overlap, bias)
     assert_errors(per_rank, FP32_TOL, f"strided {kind} tp={tp} overlap={overlap} bias={bias}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind):
-    for rank, errors in enumerate(pools(tp).run(_on_rank_bf16_weight_grad_error, kind)):
+def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind, backend):
+    # On CUDA the overlapped sum runs bf16 GEMMs with fp32 output, on CPU upcast fp32 GEMMs
+    # (parallel_linear.weight_grad_path): both must match the basic layer's accuracy.
+    for rank, errors in enumerate(pools(tp, backend).run(_on_rank_bf16_weight_grad_error, kind)):
         basic, overlapped = errors[False], errors[True]
         # Both round one fp32 sum to bf16 once; the sums differ only in fp32 round-off.
         assert overlapped <= basic * 1.01, (
@@ -274,10 +278,39 @@ def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind):
             f"{basic:.3g} (allowed {basic * 1.01:.3g})")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("groups", [[[0, 2], [1, 3]], [[0, 1], [2, 3]]], ids=["strided", "blocks"])
-def test_parallel_linear_on_tp_subgroups(pools, groups):
-    assert_errors(pools(4).run(_on_rank_check_linear_on_subgroups, groups), FP32_TOL,
+def test_parallel_linear_on_tp_subgroups(pools, groups, backend):
+    assert_errors(pools(4, backend).run(_on_rank_check_linear_on_subgroups, groups), FP32_TOL,
                    f"subgroups {groups}")
+
+
+def _on_rank_check_multi_megabyte_rings():
+    """Column and row layers, overlapped, with ring steps of 2 MiB (s=1024, b=1, 1024 features,
+    fp32, p=2): a transfer long enough that a missing or misplaced wait would show as stale
+    data on a GPU, where tiny transfers finish before anyone could read them early. Compared
+    with the same layers on one device, in fp32."""
+    group, _, _ = world()
+    gen = torch.Generator().manual_seed(5)
+    s, b, h = 1024, 1, 1024
+    full = (torch.randn(s, b, h, generator=gen), torch.randn(h, h, generator=gen) / 32,
+            torch.randn(h, generator=gen), torch.randn(s, b, h, generator=gen))
+    x, w, bias = (t.clone().requires_grad_() for t in full[:3])
+    dy = full[3]
+    y = F.linear(x, w, bias)
+    y.backward(dy)
+    ref = {"y": y.detach(), "dx": x.grad, "dw": w.grad, "db": bias.grad}
+    errors = {}
+    for kind in ("column", "row"):
+        got, want = _run_parallel_linear(kind, True, True, torch.float32, full, group)
+        errors.update({f"{kind}/{k}": max_rel_error(v, want[k](ref[k])) for k, v in got.items()})
+    return errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlapped_layers_are_exact_with_multi_megabyte_ring_steps(pools, backend):
+    assert_errors(pools(2, backend).run(_on_rank_check_multi_megabyte_rings), FP32_TOL,
+                  "2 MiB ring steps")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -290,9 +323,10 @@ def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap,
     assert len(grads) == len(dict(Transformer(CONFIG).named_parameters())), grads
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_model_bf16_is_as_accurate_as_single_device_bf16(pools, tp):
-    assert_bf16(pools(tp).run(_on_rank_check_model_bf16), f"model bf16 tp={tp}")
+def test_model_bf16_is_as_accurate_as_single_device_bf16(pools, tp, backend):
+    assert_bf16(pools(tp, backend).run(_on_rank_check_model_bf16), f"model bf16 tp={tp}")
 
 
 def test_overlap_equals_basic_to_fp32_roundoff(pools):
