@@ -247,9 +247,11 @@ def _timeline_lines(tl, gpu=False):
         over = s["over_recordings"]
         blocked = "compute stream stalled at waits" if gpu else "blocked in comm"
         posting = "" if gpu else f", posting {_fmt_spread(over['posting_ms'], 1)}"
+        nccl = (f", NCCL kernels {s['nccl_kernel_ms']:.1f} (one more pass)"
+                if "nccl_kernel_ms" in s else "")
         lines.append(f"  {mode:<11} total {_fmt_spread(over['total_ms'], 1)}, {blocked} "
                      f"{_fmt_spread(over['blocked_in_comm_ms'], 1)}{posting}, min-max total "
-                     f"{over['total_ms']['min']:.1f}-{over['total_ms']['max']:.1f}")
+                     f"{over['total_ms']['min']:.1f}-{over['total_ms']['max']:.1f}{nccl}")
     return lines
 
 

@@ -182,12 +182,36 @@ def record(spec):
                                            group))
     out = {}
     for mode in modes:
+        if device.type == "cuda":  # one more pass, under torch.profiler: NCCL's kernels
+            out.setdefault(mode, {})["nccl_kernel_ms"] = _nccl_kernel_ms(
+                lambda m=mode: blocks[m](inputs[m], cos, sin).backward(dy), device)
         totals = reduce_numbers([max(s["end"] for s in spans) for spans in runs[mode]], group,
                                 dist.ReduceOp.MAX)  # the slowest rank's: the same on all ranks
         median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
-        out[mode] = {"spans": runs[mode][median],
-                     "recordings": [span_totals(spans) for spans in runs[mode]]}
+        out.setdefault(mode, {}).update({
+            "spans": runs[mode][median],
+            "recordings": [span_totals(spans) for spans in runs[mode]]})
     return out
+
+
+def nccl_kernel_us(kernels):
+    """Microseconds spent in NCCL's kernels, from (name, microseconds) pairs of GPU kernels;
+    NCCL names every kernel it launches `ncclKernel_...` or `ncclDevKernel_...`."""
+    return sum(us for name, us in kernels if name.startswith(("ncclKernel", "ncclDevKernel")))
+
+
+def _nccl_kernel_ms(step, device):
+    """How long NCCL's kernels ran during one `step()` on this rank's GPU: a CUDA-only number
+    (on CPU gloo runs no kernels), read from torch.profiler's record of the GPU's kernels.
+    The kernels run on NCCL's stream, beside the compute stream's: they are the transfers' own
+    time, which the timeline's waits (the compute stream's stalls) cannot show."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return nccl_kernel_us(kernels) / 1e3
 
 
 def span_totals(spans):
@@ -221,4 +245,6 @@ def summarize(per_rank):
             over[key] = {**distribution(values), "values": values}
         result[mode] = {"total_ms": max(r["total_ms"] for r in ranks), "per_rank": ranks,
                         "over_recordings": over}
+        if "nccl_kernel_ms" in per_rank[0][mode]:  # CUDA: the slowest rank's NCCL kernel time
+            result[mode]["nccl_kernel_ms"] = max(r[mode]["nccl_kernel_ms"] for r in per_rank)
     return result

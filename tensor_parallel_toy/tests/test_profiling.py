@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases
+from tensor_parallel_toy.profiling import phases, report
+from tensor_parallel_toy.profiling.timeline import nccl_kernel_us
 from tensor_parallel_toy.profiling import data
 from tensor_parallel_toy.profiling.bench_overlap import OPS
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
@@ -95,6 +96,22 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
         assert r["ratio"] == pytest.approx(saved["modes"][a]["step_time"]["median"]
                                            / saved["modes"][b]["step_time"]["median"]), name
     assert "tp_overlap/tp" in saved["ratios"] and "95%" in summary
+
+    # The same results as a GPU run would label them: the GPU-only lines of the report render,
+    # and no CPU explanation is left in them.
+    gpu = json.loads(json.dumps(saved))
+    gpu["meta"].update(device="cuda", gpu="NVIDIA H100", nccl_high_priority_streams=True,
+                       overlap_weight_grad="bf16 GEMMs with fp32 output into an fp32 sum")
+    gpu["config"]["run"]["dtype"] = "bf16"
+    for mode in gpu["timeline"]["summary"].values():
+        mode["nccl_kernel_ms"] = 1.25
+    gpu["targets"] = report.evaluate_targets(gpu)
+    text = report.summary_text(gpu)
+    for words in ("GPU: NVIDIA H100; NCCL's streams at high priority", "CUDA events",
+                  "compute stream stalled at waits", "NCCL kernels 1.2",
+                  "bf16 GEMMs with fp32 output", "take SMs and memory bandwidth"):
+        assert words in text, (words, text)
+    assert "a transfer there is CPU work" not in text and ", posting" not in text, text
 
 
 def test_modes_are_interleaved_each_first_equally_often_in_one_order_on_every_rank():
@@ -414,3 +431,9 @@ def test_overlap_calibration_communicates_through_comm_on_the_group_device(pools
     assert not violations, "\n".join(violations)
     ffn = [f for f, _ in per_rank]
     assert ffn[0] == ffn[1] and ffn[0] % 16 == 0, ffn  # one m for all ranks, a multiple of 8p
+
+
+def test_nccl_kernel_time_counts_only_nccl_kernels():
+    kernels = [("ncclDevKernel_SendRecv(ncclDevKernelArgs)", 5.0), ("sm90_xmma_gemm_bf16", 100.0),
+               ("ncclKernel_AllGather_RING_LL_Sum_int8_t", 2.5), ("elementwise_kernel", 1.0)]
+    assert nccl_kernel_us(kernels) == 7.5
