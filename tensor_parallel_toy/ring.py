@@ -13,15 +13,16 @@ One code path on every backend: post the step from the current stream, compute, 
 - gloo (CPU): on gloo's own threads; `wait()` blocks the host until the bytes are in.
 - NCCL (GPU): on ProcessGroupNCCL's internal CUDA stream, which is the second stream of the
   overlap. Posting makes that stream wait for the work already queued on the current stream
-  (so it never reads `send` before the GEMM that wrote it is done), and keeps `send` and `recv`
-  alive until the wait; `wait()` makes the *current stream* wait for the transfer and returns
-  at once, without blocking the host (see the notes on `Work.wait` in
+  (so it never reads `send` before the GEMM that wrote it is done); `wait()` makes the
+  *current stream* wait for the transfer and returns at once, without blocking the host (see
   https://pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations
   and ProcessGroupNCCL.cpp's `WorkNCCL::synchronizeStream`). The GEMM queued between post and
   wait therefore runs beside NCCL's kernels; whatever comes after the wait (the next GEMM, the
   reuse of a buffer) is ordered after the transfer by the stream itself.
-So the ring needs no stream, event or `record_stream` of its own, and the CPU tests run exactly
-the code a GPU runs, except what NCCL does inside. The transfers' priority is set where the
+The functions below hold every buffer of a step until after its wait, so the caching allocator
+can hand its memory out again only to work queued after the wait. The ring therefore needs no
+stream, event or `record_stream` of its own, and the CPU tests run exactly the code a GPU runs,
+except what NCCL does inside. The transfers' priority is set where the
 process group is made (initialize.py, `high_priority_streams`), not here.
 """
 from .comm import group_rank, group_size, send_recv
