@@ -108,6 +108,16 @@ def now(device):
     return time.perf_counter()
 
 
+def stamp(device):
+    """Now, on `device`'s clock: the host's `perf_counter` on CPU; on CUDA an event queued on
+    the device's current stream, which records when the GPU gets there."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class DeviceTimer:
     """`with DeviceTimer(device) as t: ...`, then `t.seconds`: how long the work inside took.
 
@@ -117,25 +127,17 @@ class DeviceTimer:
 
     def __init__(self, device):
         self.device = device
-        self.cuda = device.type == "cuda"
-
-    def _stamp(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
 
     def __enter__(self):
-        self.start = self._stamp()
+        self.start = stamp(self.device)
         return self
 
     def __exit__(self, *exc):
-        self.end = self._stamp()
+        self.end = stamp(self.device)
 
     @property
     def seconds(self):
-        if not self.cuda:
+        if self.device.type != "cuda":
             return self.end - self.start
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3

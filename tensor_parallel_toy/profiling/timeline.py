@@ -25,7 +25,6 @@ included; the profile records one block), and the code being timed is the packag
 own, unmodified.
 """
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from .. import comm
 from ..comm import barrier, reduce_numbers
 from ..initialize import current_device
 from ..model import TransformerBlock, rotary_tables
+from .metrics import stamp
 from .metrics import summarize as distribution
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
@@ -52,11 +52,7 @@ class Clock:
         self.origin = self.stamp()
 
     def stamp(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        return stamp(self.device)
 
     def add(self, row, kind, name, start, end, **extra):
         self.spans.append({"row": row, "kind": kind, "name": name, "start": start, "end": end,
