@@ -105,6 +105,9 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
     gpu["config"]["run"]["dtype"] = "bf16"
     for mode in gpu["timeline"]["summary"].values():
         mode["nccl_kernel_ms"] = 1.25
+    # A missed overlap target, so that its explanation is printed.
+    gpu["overlap_benchmark"]["ops"]["column_fwd"].update(
+        t_comm_ms=1.0, t_gemm_ms=2.0, t_seq_ms=3.0, overlap_over_max=5.0)
     gpu["targets"] = report.evaluate_targets(gpu)
     text = report.summary_text(gpu)
     for words in ("GPU: NVIDIA H100; NCCL's streams at high priority", "CUDA events",
