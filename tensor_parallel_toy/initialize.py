@@ -273,7 +273,10 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, par
 
 
 class WorkerPool:
-    """`world_size` local ranks in one process group, reused across many `run` calls."""
+    """`world_size` local ranks in one process group, reused across many `run` calls.
+
+    Under NCCL rank r binds GPU r (all ranks GPU 0 when SHARE_GPU_ENV=1 lets them share one);
+    `high_priority_streams`: see `nccl_options`."""
 
     def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
                  high_priority_streams=False):
