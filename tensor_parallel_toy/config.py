@@ -68,7 +68,8 @@ class ModelConfig:
     qkv_bias: bool = False
     # The size of one attention head; None means hidden_size / num_heads. Any even value:
     # q has num_heads * head_dim features, k and v num_kv_heads * head_dim each, and the output
-    # projection maps num_heads * head_dim back to hidden_size (Qwen3, Mistral-Nemo).
+    # projection maps num_heads * head_dim back to hidden_size (Qwen3, Mistral-Nemo). Once
+    # built, a config holds the number: dataclasses.replace keeps it unless given head_dim=None.
     head_dim: Optional[int] = None
     # An RMSNorm over each head's q and over each head's k (weights [head_dim], shared by all
     # heads), before the rotary embedding (Qwen3).
