@@ -133,7 +133,8 @@ def test_round_trip_is_exact_and_baseline_logits_match(family, kv_heads, tied):
     ("llama", "attention_dropout", 0.1, ["attention_dropout=0.1"]),
     ("qwen2", "layer_types", ["full_attention", "sliding_attention"],
      ["layer_types=", "max_window_layers=", "every"]),
-    ("qwen2", "layer_types", ["chunked_attention"] * 2, ["'chunked_attention'", "'full_attention'"]),
+    ("qwen2", "layer_types", ["chunked_attention"] * 2,
+     ["'chunked_attention'", "'full_attention'"]),
     ("llama", "model_type", "gemma", ["model_type='gemma'", "llama"]),
 ])
 def test_what_the_model_cannot_express_is_refused_naming_the_field(family, field, value, words):
