@@ -216,7 +216,7 @@ def test_qk_norm_gradients_are_partial_over_heads_until_summed_over_tp(pools):
     assert len(names) == 2 * config.num_layers, names
     assert_errors([r["summed"] for r in per_rank], MODEL_FP32_TOL, "q/k norm grads summed")
     for r in per_rank:
-        assert min(r["local"].values()) > 1e-2, f"a local partial gradient was right: {r['local']}"
+        assert min(r["local"].values()) > 0.1, f"a local partial gradient was close: {r['local']}"
 
 
 def _on_rank_qk_norm_fsdp(config, state, ids, labels, expected):
