@@ -255,3 +255,43 @@ def test_the_dtensor_plans_refuse_per_head_norms():
         dtensor_tp.check_plan(config, 2)
     with pytest.raises(ValueError, match=r"^model_type='qwen3': [^\n]*partial"):
         dtensor_tp.check_hf_plan(hf_model("qwen3").config, 2)
+
+
+@pytest.mark.parametrize("rope, legacy", [
+    (dict(rope_type="linear", factor=4.0), False),
+    (dict(type="linear", factor=4.0), True),  # an older config.json: rope_scaling with "type"
+    (dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+          original_max_position_embeddings=8192), False),  # Llama-3.2-1B's
+    (dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+          original_max_position_embeddings=8192), True),  # Llama-3.1-8B's
+], ids=["linear", "linear-legacy", "llama3-1b", "llama3-8b-legacy"])
+def test_scaled_rotary_frequencies_are_transformers_own(rope, legacy):
+    """Our frequencies from the converted config against transformers' own rope init, for a
+    head size of 64 (the real models'), so every band of the llama3 remapping is exercised; a
+    legacy config is read from a plain object holding `rope_scaling` and `rope_theta`."""
+    import types
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tensor_parallel_toy.hf_checkpoint import config_from_hf
+    from tensor_parallel_toy.rotary import rotary_frequencies
+
+    transformers = _transformers()
+    sizes = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=128, num_hidden_layers=1, vocab_size=128,
+                 max_position_embeddings=131072)
+    hf_config = transformers.LlamaConfig(**sizes, rope_parameters={**rope, "rope_theta": 5e5})
+    kind = hf_config.rope_parameters["rope_type"]
+    want = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")[0]  # [head_dim / 2], float32
+    source = hf_config
+    if legacy:
+        source = types.SimpleNamespace(**sizes, model_type="llama", hidden_act="silu",
+                                       rms_norm_eps=1e-5, rope_theta=5e5, rope_scaling=rope)
+    config = config_from_hf(source)
+    assert config.rope_base == 5e5 and config.rope_scaling.kind == kind, config
+    # Each frequency against its own size: they span seven orders of magnitude.
+    relative = lambda freq: ((freq - want.double()) / want.double()).abs().max().item()  # noqa
+    got = rotary_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
+    assert relative(got) <= 1e-6, f"{kind}: frequencies off by {relative(got):.3g} (relative)"
+    plain = rotary_frequencies(config.head_dim, config.rope_base)
+    assert relative(plain) > 0.5, f"{kind}: the scaling changed them by only {relative(plain)}"
