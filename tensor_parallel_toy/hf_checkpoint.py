@@ -64,13 +64,19 @@ def _rope_from_hf(get):
     base = float(rope.get("rope_theta") or get("rope_theta") or 10000.0)
     if kind == "default":
         return base, None
+
+    def need(key):
+        if key not in rope:
+            _refuse(field, rope, f"rope type {kind!r} needs {key!r}")
+        return float(rope[key])
+
     if kind == "linear":
-        return base, RopeScaling("linear", float(rope["factor"]))
+        return base, RopeScaling("linear", need("factor"))
     original = (get("original_max_position_embeddings")  # where transformers reads it first
                 or rope.get("original_max_position_embeddings")
                 or get("max_position_embeddings"))
-    return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                             float(rope["high_freq_factor"]), int(original))
+    return base, RopeScaling("llama3", need("factor"), need("low_freq_factor"),
+                             need("high_freq_factor"), int(original))
 
 
 def _window_from_hf(family, get):
@@ -79,18 +85,18 @@ def _window_from_hf(family, get):
     the layers `layer_types` marks "sliding_attention" (with use_sliding_window, the layers
     from max_window_layers on), and have already set `sliding_window` None without it."""
     layer_types = set(get("layer_types") or ["full_attention"])
-    if not layer_types <= {"full_attention", "sliding_attention"}:
-        _refuse("layer_types", sorted(layer_types), "modelled layer types are "
-                                                    "'full_attention' and 'sliding_attention'")
-    if len(layer_types) > 1 and family != "mistral":
-        _refuse("layer_types", get("layer_types"), f"a mix of windowed and full layers "
-                f"(max_window_layers={get('max_window_layers')!r}) is not modelled: every "
-                f"layer must be 'full_attention' or every one 'sliding_attention'")
     if family == "mistral":
         if layer_types != {"full_attention"}:
             _refuse("layer_types", sorted(layer_types), "Mistral windows every layer by "
                     "sliding_window; per-layer types are Ministral's, not modelled")
         return get("sliding_window")
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        _refuse("layer_types", sorted(layer_types), "modelled layer types are "
+                                                    "'full_attention' and 'sliding_attention'")
+    if len(layer_types) > 1:  # one mask serves every layer here
+        _refuse("layer_types", get("layer_types"), f"a mix of windowed and full layers "
+                f"(max_window_layers={get('max_window_layers')!r}) is not modelled: every "
+                f"layer must be 'full_attention' or every one 'sliding_attention'")
     return get("sliding_window") if layer_types == {"sliding_attention"} else None
 
 

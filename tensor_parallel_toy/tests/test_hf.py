@@ -130,6 +130,8 @@ def test_round_trip_is_exact_and_baseline_logits_match(family, kv_heads, tied):
     ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4},
      ["rope_parameters['rope_type']='yarn'", "'default'", "'linear'", "'llama3'"]),
     ("llama", "partial_rotary_factor", 0.5, ["partial_rotary_factor=0.5", "1.0"]),
+    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
+     ["rope_parameters=", "'llama3' needs 'low_freq_factor'"]),
     ("llama", "attention_dropout", 0.1, ["attention_dropout=0.1"]),
     ("qwen2", "layer_types", ["full_attention", "sliding_attention"],
      ["layer_types=", "max_window_layers=", "every"]),
