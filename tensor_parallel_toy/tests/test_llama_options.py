@@ -26,6 +26,12 @@ CASES = [
     ("gqa-split", dict(num_kv_heads=4), 4, False),
     ("gqa-replicated", dict(num_kv_heads=2), 4, True),
     ("tied-no-bias", dict(tie_embeddings=True, qkv_bias=False, num_kv_heads=4), 2, False),
+    # Every checkpoint option at once (Qwen3's q/k norms with k/v heads replicated, a head size
+    # not hidden/heads, Llama 3's rope scaling, a window shorter than the sequence of 12): the
+    # grad norm must count the q/k norms once, and SGD must keep their replicas equal.
+    ("qk-norm-head-dim-llama3-window",
+     dict(qk_norm=True, head_dim=6, num_kv_heads=2, sliding_window=5,
+          rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)), 4, True),
 ]
 
 
