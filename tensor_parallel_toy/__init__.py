@@ -4,7 +4,7 @@ The library is this folder; `profiling/` is the harness behind `python -m tensor
 profile`, and `tests/` the specification. Arrows run only from those two into the library.
 """
 from .classic_tp import apply_tensor_parallel, sync_replicated_gradients
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .dtensor_tp import parallelize_hf_model
 from .hf_checkpoint import from_hf, to_hf
 from .model import Transformer
@@ -13,7 +13,8 @@ from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_pa
 from .sharding import grad_norm
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "ModelConfig", "RowParallelLinear", "Transformer",
-           "VocabParallelEmbedding", "apply_tensor_parallel", "column_parallel_linear",
-           "from_hf", "grad_norm", "parallelize_hf_model", "row_parallel_linear",
-           "sync_replicated_gradients", "to_hf", "vocab_parallel_cross_entropy"]
+__all__ = ["ColumnParallelLinear", "ModelConfig", "RopeScaling", "RowParallelLinear",
+           "Transformer", "VocabParallelEmbedding", "apply_tensor_parallel",
+           "column_parallel_linear", "from_hf", "grad_norm", "parallelize_hf_model",
+           "row_parallel_linear", "sync_replicated_gradients", "to_hf",
+           "vocab_parallel_cross_entropy"]

@@ -8,6 +8,42 @@ from dataclasses import dataclass
 from typing import Optional
 
 MLP_KINDS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A fixed remapping of the rotary frequencies, for a model trained on longer contexts than
+    its base frequencies were (`ModelConfig.rope_scaling`; None: the plain frequencies).
+
+    "linear": every frequency divided by `factor` (positions interpolated: position t is
+    rotated as t / factor was).
+    "llama3" (Llama 3.1-3.3): by wavelength 2*pi/freq, relative to the pre-training context
+    `original_max_seq_len`: wavelengths longer than original_max_seq_len / low_freq_factor are
+    divided by `factor` (their frequencies, that is); shorter than original_max_seq_len /
+    high_freq_factor are kept; in between, the frequency is blended linearly in
+    original_max_seq_len / wavelength from freq / factor to freq.
+    """
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0  # "llama3" only
+    high_freq_factor: float = 4.0  # "llama3" only
+    original_max_seq_len: int = 8192  # "llama3" only
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RopeScaling.kind={self.kind!r}: valid kinds are {ROPE_SCALINGS}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"RopeScaling.{name}={value!r} must be a positive number")
+        value = self.original_max_seq_len
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"RopeScaling.original_max_seq_len={value!r} must be a positive "
+                             f"integer")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"RopeScaling high_freq_factor={self.high_freq_factor!r} must be "
+                             f"above low_freq_factor={self.low_freq_factor!r}")
 
 
 @dataclass(frozen=True)
@@ -30,16 +66,34 @@ class ModelConfig:
     mlp: str = "gelu"
     # A bias on the q, k and v projections (Qwen2); the output projection never has one.
     qkv_bias: bool = False
+    # The size of one attention head; None means hidden_size / num_heads. Any even value:
+    # q has num_heads * head_dim features, k and v num_kv_heads * head_dim each, and the output
+    # projection maps num_heads * head_dim back to hidden_size (Qwen3, Mistral-Nemo). Once
+    # built, a config holds the number: dataclasses.replace keeps it unless given head_dim=None.
+    head_dim: Optional[int] = None
+    # An RMSNorm over each head's q and over each head's k (weights [head_dim], shared by all
+    # heads), before the rotary embedding (Qwen3).
+    qk_norm: bool = False
+    # None: the plain rotary frequencies; else how they are remapped (Llama 3's "llama3").
+    rope_scaling: Optional[RopeScaling] = None
+    # Sliding-window attention in every layer: query i sees keys max(0, i - w + 1) .. i.
+    # None: full causal attention (Mistral v0.1 uses 4096).
+    sliding_window: Optional[int] = None
 
     def __post_init__(self):
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)  # frozen: set it once here
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                     "ffn_hidden_size", "max_seq_len", "num_kv_heads"):
+                     "ffn_hidden_size", "max_seq_len", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if name == "head_dim" and value is None:  # the default: hidden_size / num_heads
+                if self.hidden_size % self.num_heads:
+                    raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                                     f"num_heads={self.num_heads}; change one, or set head_dim")
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
-        for name in ("tie_embeddings", "qkv_bias"):
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.mlp not in MLP_KINDS:
@@ -48,21 +102,22 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(
-                f"head_dim={self.head_dim} (hidden_size/num_heads) must be even for rotary "
-                f"embeddings; choose hidden_size and num_heads so that it is")
+                f"head_dim={self.head_dim} must be even for rotary embeddings (they rotate "
+                f"pairs of features); choose an even head_dim")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r} must be None or "
+                             f"a RopeScaling")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                   or window < 1):
+            raise ValueError(f"ModelConfig.sliding_window={window!r} must be None (full causal "
+                             f"attention) or a positive integer")
         if self.num_heads % self.num_kv_heads:
             valid = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
             raise ValueError(f"num_heads={self.num_heads} is not divisible by "
                              f"num_kv_heads={self.num_kv_heads}; valid num_kv_heads: {valid}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     def check_tp_size(self, tp_size: int) -> None:
         """Raise one clear error if this model cannot be split over `tp_size` ranks."""

@@ -81,6 +81,10 @@ def check_plan(config, tp_size):
     if config.mlp != "gelu":
         raise ValueError(f"mlp={config.mlp!r}: this plan names the GELU MLP's fc1/fc2; for a "
                          f"Llama-style model use parallelize_hf_model on the Hugging Face model")
+    if config.qk_norm:
+        raise ValueError("qk_norm=True: this plan has no style for the per-head norms, whose "
+                         "gradients would stay partial sums over each rank's heads; leave the "
+                         "dtensor mode out")
     if config.num_kv_heads < tp_size:
         raise ValueError(f"num_kv_heads={config.num_kv_heads} < TP size {tp_size}: the dtensor "
                          f"plan cannot replicate k/v heads; use at least {tp_size} k/v heads or "
@@ -225,6 +229,9 @@ def check_hf_plan(hf_config, tp_size):
     if get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings=True: parallelize_module gives the embedding and "
                          "the head each a new DTensor parameter, silently untying them")
+    if get("model_type") == "qwen3":
+        raise ValueError("model_type='qwen3': this plan has no style for q_norm/k_norm, whose "
+                         "gradients would stay partial sums over each rank's heads")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "hidden_size"):
         if get(name) % tp_size:

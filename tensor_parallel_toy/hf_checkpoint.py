@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mistral and Qwen2 checkpoints <-> this package's `Transformer`.
+"""Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints <-> this package's `Transformer`.
 
     config, state_dict = from_hf(hf_model)             # or from_hf(hf_config, hf_state_dict)
     model = Transformer(config); model.load_state_dict(state_dict)            # the baseline
@@ -17,6 +17,7 @@ layouts differ:
                                                   layers.i.attn.q and .kv (rows [kv heads,
                                                   (k, v), head_dim])
     layers.i.self_attn.o_proj.weight              layers.i.attn.proj.weight
+    layers.i.self_attn.{q,k}_norm.weight          layers.i.attn.{q,k}_norm.weight (Qwen3)
     layers.i.post_attention_layernorm.weight      layers.i.mlp_norm.weight
     layers.i.mlp.{gate,up}_proj.weight            layers.i.mlp.gate_up [2, f, h] (gate, up)
     layers.i.mlp.down_proj.weight                 layers.i.mlp.down.weight
@@ -25,7 +26,12 @@ layouts differ:
 Rotary embeddings need no conversion. Both rotate the pair (x[j], x[j + hd/2]) of each head by
 position * base^(-2j/hd), Hugging Face's `rotate_half` form: checkpoints converted from Meta's
 interleaved-pair layout already have their q/k rows permuted into it, and this model's
-`apply_rotary` uses the same halves, so q and k rows are copied as they are.
+`apply_rotary` uses the same halves, so q and k rows are copied as they are. Llama 3's and
+linear rope scaling become a `RopeScaling`; the other rope types are refused.
+
+What differs between the families is configuration, not layout: Qwen2 has a q/k/v bias; Qwen3
+has none but normalises each head's q and k (`qk_norm`), and sets its own head_dim; Mistral
+v0.1 attends within a sliding window (as Qwen2/Qwen3 may, when every layer does).
 
 `transformers` is imported only inside `from_hf` when it is given a model object, never at
 import time: the rest of the package does not need it. Nothing is downloaded here; load a
@@ -33,18 +39,70 @@ checkpoint yourself (`AutoModelForCausalLM.from_pretrained(path)`) and pass the 
 """
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _refuse(field, value, why):
     raise ValueError(f"Hugging Face config {field}={value!r}: {why}")
 
 
+def _rope_from_hf(get):
+    """(rope_base, RopeScaling or None) from `rope_parameters` (transformers >= 5) or the
+    legacy `rope_scaling` dict with a top-level `rope_theta`."""
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    field = "rope_parameters" if get("rope_parameters") else "rope_scaling"
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _refuse(f"{field}['rope_type']", kind, f"supported rope types are {ROPE_TYPES}")
+    if rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse("partial_rotary_factor", rope.get("partial_rotary_factor",
+                                                  get("partial_rotary_factor")),
+                "only rotating every feature of a head (1.0) is modelled")
+    base = float(rope.get("rope_theta") or get("rope_theta") or 10000.0)
+    if kind == "default":
+        return base, None
+
+    def need(key):
+        if key not in rope:
+            _refuse(field, rope, f"rope type {kind!r} needs {key!r}")
+        return float(rope[key])
+
+    if kind == "linear":
+        return base, RopeScaling("linear", need("factor"))
+    original = (get("original_max_position_embeddings")  # where transformers reads it first
+                or rope.get("original_max_position_embeddings")
+                or get("max_position_embeddings"))
+    return base, RopeScaling("llama3", need("factor"), need("low_freq_factor"),
+                             need("high_freq_factor"), int(original))
+
+
+def _window_from_hf(family, get):
+    """The sliding window every layer uses, or None; a mix of windowed and full layers is
+    refused. Mistral windows every layer when `sliding_window` is set; Qwen2/Qwen3 window
+    the layers `layer_types` marks "sliding_attention" (with use_sliding_window, the layers
+    from max_window_layers on), and have already set `sliding_window` None without it."""
+    layer_types = set(get("layer_types") or ["full_attention"])
+    if family == "mistral":
+        if layer_types != {"full_attention"}:
+            _refuse("layer_types", sorted(layer_types), "Mistral windows every layer by "
+                    "sliding_window; per-layer types are Ministral's, not modelled")
+        return get("sliding_window")
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        _refuse("layer_types", sorted(layer_types), "modelled layer types are "
+                                                    "'full_attention' and 'sliding_attention'")
+    if len(layer_types) > 1:  # one mask serves every layer here
+        _refuse("layer_types", get("layer_types"), f"a mix of windowed and full layers "
+                f"(max_window_layers={get('max_window_layers')!r}) is not modelled: every "
+                f"layer must be 'full_attention' or every one 'sliding_attention'")
+    return get("sliding_window") if layer_types == {"sliding_attention"} else None
+
+
 def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama/Mistral/Qwen2 config; anything this model cannot
-    express is refused with one line naming the field."""
+    """The ModelConfig of a Hugging Face Llama/Mistral/Qwen2/Qwen3 config; anything this model
+    cannot express is refused with one line naming the field."""
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
         _refuse("model_type", family, f"supported families are {FAMILIES}")
@@ -52,25 +110,12 @@ def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     if get("hidden_act") != "silu":
         _refuse("hidden_act", get("hidden_act"), "only 'silu' (SwiGLU) is modelled")
-    head_dim = get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        _refuse("head_dim", head_dim, f"must be hidden_size / num_attention_heads = "
-                                      f"{hidden // heads} here")
-    rope = get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        _refuse("rope_parameters['rope_type']", rope.get("rope_type"),
-                "only plain rotary embeddings ('default') are modelled, no rope scaling")
+    rope_base, rope_scaling = _rope_from_hf(get)
     if get("attention_bias", False):
         _refuse("attention_bias", True, "a bias on o_proj is not modelled (Qwen2's q/k/v-only "
                                         "bias is)")
     if get("mlp_bias", False):
         _refuse("mlp_bias", True, "MLP biases are not modelled")
-    if family == "mistral" and get("sliding_window") is not None:
-        _refuse("sliding_window", get("sliding_window"), "only full causal attention is "
-                                                         "modelled; set it to None")
-    layer_types = set(get("layer_types") or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        _refuse("layer_types", sorted(layer_types), "only 'full_attention' layers are modelled")
     if get("attention_dropout", 0.0):
         _refuse("attention_dropout", get("attention_dropout"), "this model has no dropout")
     return ModelConfig(
@@ -78,9 +123,10 @@ def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
         num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
         ffn_hidden_size=get("intermediate_size"),
         max_seq_len=max_seq_len or get("max_position_embeddings"),
-        norm_eps=float(get("rms_norm_eps")), rope_base=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=float(get("rms_norm_eps")), rope_base=rope_base, rope_scaling=rope_scaling,
         tie_embeddings=bool(get("tie_word_embeddings", False)), mlp="swiglu",
-        qkv_bias=family == "qwen2")
+        qkv_bias=family == "qwen2", head_dim=get("head_dim") or hidden // heads,
+        qk_norm=family == "qwen3", sliding_window=_window_from_hf(family, get))
 
 
 def _layer_names(i):
@@ -97,12 +143,17 @@ _RENAMED_PER_BLOCK = (("attn_norm.weight", "input_layernorm.weight"),
                       ("mlp.down.weight", "mlp.down_proj.weight"))
 
 
+_QK_NORMS = (("attn.q_norm.weight", "self_attn.q_norm.weight"),
+             ("attn.k_norm.weight", "self_attn.k_norm.weight"))
+
+
 def _renamed(config):
     """(our key, Hugging Face's key) of every tensor that only changes its name."""
     pairs = list(_RENAMED)
+    per_block = _RENAMED_PER_BLOCK + (_QK_NORMS if config.qk_norm else ())
     for i in range(config.num_layers):
         theirs, ours = _layer_names(i)
-        pairs += [(ours + a, theirs + b) for a, b in _RENAMED_PER_BLOCK]
+        pairs += [(ours + a, theirs + b) for a, b in per_block]
     return pairs
 
 
@@ -163,7 +214,7 @@ def to_hf(config: ModelConfig, state_dict):
     the same tensors under Hugging Face's names and layouts. A tied head's `lm_head.weight` is
     the embedding's tensor, as in Hugging Face's own state dict."""
     if config.mlp != "swiglu":
-        raise ValueError(f"mlp={config.mlp!r}: Hugging Face Llama/Mistral/Qwen2 use 'swiglu'")
+        raise ValueError(f"mlp={config.mlp!r}: Hugging Face Llama/Mistral/Qwen use 'swiglu'")
     sd = state_dict
     out = {theirs: sd[ours] for ours, theirs in _renamed(config)}
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["head.weight"]

@@ -35,6 +35,7 @@ from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_r
                    group_rank, group_size)
 from .config import ModelConfig, check_seq_len, padded_seq_len
 from .parallel_linear import column_linear, column_parallel_linear, row_linear
+from .rotary import apply_rotary, rotary_tables
 from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
                        mark_sequence_parallel, mark_tensor_parallel, named_layouts,
                        record_layouts, scatter_data_parallel, shard, unshard)
@@ -52,31 +53,25 @@ class RMSNorm(nn.Module):
     part of the autograd graph, so it survives engines that replace the Parameter objects
     (`fully_shard`), and each backward sums only its own contribution before autograd adds it
     to `.grad` (gradient accumulation stays exact).
+
+    The same norm over each attention head (`sequence_parallel=False`: x `[s, b, heads/p, hd]`,
+    weight `[hd]`, Qwen3's q/k norms) sits inside the tensor-parallel region: every rank sees all
+    s tokens but only its own heads, so its gradient is again a partial sum, over heads instead
+    of tokens, and the same `f` sums it.
     """
 
-    def __init__(self, dim, eps=1e-5, tp_group=None):
+    def __init__(self, dim, eps=1e-5, tp_group=None, sequence_parallel=True):
         super().__init__()
         self.eps, self.tp_group = eps, tp_group
-        weight = mark_sequence_parallel(nn.Parameter(torch.ones(dim)))
+        weight = nn.Parameter(torch.ones(dim))
+        if sequence_parallel:
+            mark_sequence_parallel(weight)
         self.weight = mark_init_std(weight, None)  # keep the ones
 
     def forward(self, x):
         rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
         weight = copy_to_tensor_parallel_region(self.weight, self.tp_group)  # [h]
         return (x.float() * rms).type_as(x) * weight
-
-
-def rotary_tables(seq_len, head_dim, base):
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # [s, hd/2]
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rotary(x, cos, sin):
-    """x [s, b, heads, hd]; rotate each (first half, second half) pair by its position's angle."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [s, 1, 1, hd/2]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class Attention(nn.Module):
@@ -97,6 +92,11 @@ class Attention(nn.Module):
       weight goes through `f` (backward: all-reduce) and every rank gets the full gradient.
     Either way the q and k/v rows are concatenated into one weight, so one all-gather of the
     input serves both GEMMs.
+
+    head_dim need not be hidden_size / num_heads: the heads' features (nh * hd of them) are
+    what the projections produce and `proj` consumes; p splits whole heads either way.
+    With `qk_norm` each head's q and k are RMS-normalised (`q_norm`, `k_norm`, weights `[hd]`)
+    before the rotation; with a `sliding_window` w, query i sees keys max(0, i - w + 1) .. i.
     """
 
     def __init__(self, config, tp_group=None, overlap=False):
@@ -104,10 +104,10 @@ class Attention(nn.Module):
         h, hd = config.hidden_size, config.head_dim
         nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
         self.head_dim, self.tp_group, self.overlap = hd, tp_group, overlap
-        self.grouped = nkv != nh
+        self.grouped, self.window = nkv != nh, config.sliding_window
         bias = config.qkv_bias  # laid out like the weight's rows, so it is split the same way
         if not self.grouped:
-            self.qkv = column_linear(h, 3 * h, tp_group, overlap, bias)
+            self.qkv = column_linear(h, 3 * nh * hd, tp_group, overlap, bias)
         else:
             # Under TP only their weights are used (see _project); the baseline calls them.
             self.q = column_linear(h, nh * hd, tp_group, overlap, bias)
@@ -118,14 +118,20 @@ class Attention(nn.Module):
                 self.kv = nn.Linear(h, 2 * nkv * hd, bias=bias)  # the same on every rank
                 head = group_rank(tp_group) // (p // nkv)
                 self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
-        self.proj = row_linear(h, h, tp_group, overlap)
+        self.proj = row_linear(nh * hd, h, tp_group, overlap)
         mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
+        # Replicated [hd] weights inside the TP region (each rank normalises only its own
+        # heads): their gradients are partial sums over the heads, summed by the norm's `f`.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps, tp_group, sequence_parallel=False)
+            self.k_norm = RMSNorm(hd, config.norm_eps, tp_group, sequence_parallel=False)
 
     def _project(self, x):
         """x -> q [s, b, nh/p, hd], and k, v [s, b, nkv/p (or 1 when replicated), hd]."""
         hd = self.head_dim
         if not self.grouped:
-            qkv = self.qkv(x)  # [s, b, 3h/p]
+            qkv = self.qkv(x)  # [s, b, 3*nh*hd/p]
             s, b, _ = qkv.shape
             return qkv.view(s, b, -1, 3, hd).unbind(dim=3)  # [s, b, nh/p, hd] each
         if self.tp_group is None:
@@ -145,15 +151,26 @@ class Attention(nn.Module):
         k, v = kv.view(s, b, -1, 2, hd).unbind(dim=3)  # [s, b, kv heads here, hd] each
         return q.view(s, b, -1, hd), k, v
 
+    def _mask(self, s, device):
+        """The attention mask's keywords for s positions: causal, or causal within the window.
+        Every rank holds the whole sequence here, so every rank builds the same mask."""
+        if self.window is None or self.window >= s:
+            return {"is_causal": True}
+        offset = torch.arange(s, device=device)
+        offset = offset[:, None] - offset[None, :]  # [s, s]: query position minus key position
+        return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
+
     def forward(self, x, cos, sin):
         q, k, v = self._project(x)
         s, b = q.shape[:2]
+        if self.q_norm is not None:  # each head's q and k normalised, then rotated
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
         # enable_gqa: query head i reads k/v head i // (q heads / k/v heads) of this rank.
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        o = F.scaled_dot_product_attention(q, k, v, **self._mask(s, q.device),
                                            enable_gqa=self.grouped)  # [b, nh/p, s, hd]
-        o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, h/p]
+        o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
         return self.proj(o)  # [s/p, b, h]
 
 
@@ -254,7 +271,7 @@ class Transformer(nn.Module):
             self.head.weight = self.embed.weight
         # Room for the padded length: a sequence of max_seq_len may be padded past it.
         cos, sin = rotary_tables(padded_seq_len(config.max_seq_len, self.tp_size),
-                                 config.head_dim, config.rope_base)
+                                 config.head_dim, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)

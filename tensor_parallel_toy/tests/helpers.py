@@ -167,6 +167,19 @@ def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, 
     return errors
 
 
+_MESHES = {}  # per rank process: creating a mesh's groups is collective, and they are never freed
+
+
+def mesh_2x2():
+    """The ("dp", "tp") = 2 x 2 DeviceMesh of a 4-rank pool, made on first use inside a rank:
+    every test on the shared pool reuses it."""
+    from tensor_parallel_toy.data_parallel import init_mesh_2d
+
+    if "2x2" not in _MESHES:
+        _MESHES["2x2"] = init_mesh_2d(dp_size=2, tp_size=2)
+    return _MESHES["2x2"]
+
+
 def compare_on_world(config, **kwargs):
     """compare_with_baseline with TP over all ranks (a pool's `run` target: the WORLD group
     exists only inside the ranks)."""

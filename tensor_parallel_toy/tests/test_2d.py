@@ -16,28 +16,18 @@ from tensor_parallel_toy.data_parallel import (apply_ddp, apply_fsdp, data_paral
                                                init_mesh_2d, split_batch)
 from tensor_parallel_toy.sharding import grad_norm, named_layouts
 
-from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, random_batch,
-                      value_error_messages)
+from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, mesh_2x2,
+                      random_batch, value_error_messages)
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)
 GLOBAL_BATCH = 4
 STEPS = 2
 
-# One 2 x 2 mesh per rank process, made on first use: creating its groups is collective, and
-# DeviceMesh cannot free them, so every test on the shared 4-rank pool reuses it.
-_MESH = {}
-
-
-def _mesh():
-    if "2x2" not in _MESH:
-        _MESH["2x2"] = init_mesh_2d(dp_size=2, tp_size=2)
-    return _MESH["2x2"]
-
 
 def _wrap(engine, kind, overlap, bf16):
     """The 2-D model: (wrapped, the Transformer inside it)."""
-    mesh = _mesh()
+    mesh = mesh_2x2()
     if kind == "ours":
         # Another seed than the baseline's: loading the baseline's weights into the wrapped
         # model (below) must be what makes them equal.
@@ -55,7 +45,7 @@ def _wrap(engine, kind, overlap, bf16):
 def _step(wrapped, model, kind, ids, labels):
     """One forward + backward on this DP rank's half of the batch: (whole-batch loss, full
     gradients, grad norm), read from the wrapped model."""
-    dp_group, tp_group = _mesh()["dp"].get_group(), _mesh()["tp"].get_group()
+    dp_group, tp_group = mesh_2x2()["dp"].get_group(), mesh_2x2()["tp"].get_group()
     ids, labels = split_batch(ids, dp_group), split_batch(labels, dp_group)
     if kind == "ours":
         loss = data_parallel_loss(wrapped, ids, labels, dp_group)
@@ -145,7 +135,7 @@ def test_2x2_fsdp_bf16_mixed_precision_is_as_close_as_single_device_bf16(pools):
 
 def _on_rank_marks_across_fully_shard():
     """What fully_shard does to the Parameters, and what survives it."""
-    mesh = _mesh()
+    mesh = mesh_2x2()
     model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), seed=0)
     before = {n: (p, layout) for n, p, layout in named_layouts(model)}
     apply_fsdp(model, mesh)

@@ -14,3 +14,21 @@ def test_try_it_checks_a_column_layer_against_f_linear_on_two_ranks():
     assert lines == [f"rank {r}: output, dX and dW equal F.linear's" for r in range(2)], (
         result.stdout + result.stderr)
 
+
+
+def test_finetune_hf_trains_a_checkpoint_on_two_ranks_and_writes_it_back(pools, tmp_path, capsys):
+    """The example's whole path but the launcher (the suite's 2-rank pool stands in for it):
+    a tiny Llama 3.2-like model, trained 3 steps with TP + SP, saved with save_pretrained, and
+    reloaded by transformers with the TP model's logits."""
+    from tensor_parallel_toy.examples import finetune_hf
+
+    out = tmp_path / "tuned"
+    finetune_hf.main(["--family", "llama", "--steps", "3", "--batch", "2", "--seq", "16",
+                      "--overlap", "--out", str(out)], pool=pools(2))
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("reloaded with transformers: its logits equal the TP model's")
+               for line in lines), lines
+    losses = [float(x) for x in lines[0].split(":")[1].split()]
+    assert len(losses) == 3 and losses[-1] < losses[0], lines
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists(), \
+        sorted(p.name for p in out.iterdir())

@@ -127,12 +127,16 @@ def test_round_trip_is_exact_and_baseline_logits_match(family, kv_heads, tied):
     ("llama", "hidden_act", "gelu", ["hidden_act='gelu'", "silu"]),
     ("llama", "attention_bias", True, ["attention_bias=True", "o_proj"]),
     ("llama", "mlp_bias", True, ["mlp_bias=True"]),
-    ("llama", "head_dim", 32, ["head_dim=32", "16"]),
-    ("llama", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
-     ["rope_type", "'linear'", "rope scaling"]),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4},
+     ["rope_parameters['rope_type']='yarn'", "'default'", "'linear'", "'llama3'"]),
+    ("llama", "partial_rotary_factor", 0.5, ["partial_rotary_factor=0.5", "1.0"]),
+    ("llama", "rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4},
+     ["rope_parameters=", "'llama3' needs 'low_freq_factor'"]),
     ("llama", "attention_dropout", 0.1, ["attention_dropout=0.1"]),
     ("qwen2", "layer_types", ["full_attention", "sliding_attention"],
-     ["layer_types=", "'full_attention'"]),
+     ["layer_types=", "max_window_layers=", "every"]),
+    ("qwen2", "layer_types", ["chunked_attention"] * 2,
+     ["'chunked_attention'", "'full_attention'"]),
     ("llama", "model_type", "gemma", ["model_type='gemma'", "llama"]),
 ])
 def test_what_the_model_cannot_express_is_refused_naming_the_field(family, field, value, words):
@@ -144,13 +148,22 @@ def test_what_the_model_cannot_express_is_refused_naming_the_field(family, field
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
-def test_mistral_without_sliding_window_converts_and_with_one_is_refused():
+def test_sliding_windows_convert_as_transformers_applies_them():
+    """Mistral windows every layer when sliding_window is set; Qwen2 only with
+    use_sliding_window, and then the layers from max_window_layers on (all of them here)."""
     transformers = _transformers()
-    config = transformers.MistralConfig(**TINY, sliding_window=None)
-    assert config_from_hf(config).num_kv_heads == 2
-    config.sliding_window = 16
-    with pytest.raises(ValueError, match=r"sliding_window=16"):
-        config_from_hf(config)
+    windows = {
+        "mistral": transformers.MistralConfig(**TINY, sliding_window=16),
+        "mistral-none": transformers.MistralConfig(**TINY, sliding_window=None),
+        "qwen2-unused": transformers.Qwen2Config(**TINY, sliding_window=16),
+        "qwen2-all": transformers.Qwen2Config(**TINY, sliding_window=16, use_sliding_window=True,
+                                              max_window_layers=0),
+        "qwen2-none-reached": transformers.Qwen2Config(**TINY, sliding_window=16,
+                                                       use_sliding_window=True),
+    }
+    got = {k: config_from_hf(c).sliding_window for k, c in windows.items()}
+    assert got == {"mistral": 16, "mistral-none": None, "qwen2-unused": None, "qwen2-all": 16,
+                   "qwen2-none-reached": None}, got
 
 
 def _on_rank_hf_plan_vs_hf(family):

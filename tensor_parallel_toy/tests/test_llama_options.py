@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy.config import RopeScaling
 
 from .helpers import assert_matches_baseline, compare_on_world, max_rel_error
 
@@ -25,6 +26,12 @@ CASES = [
     ("gqa-split", dict(num_kv_heads=4), 4, False),
     ("gqa-replicated", dict(num_kv_heads=2), 4, True),
     ("tied-no-bias", dict(tie_embeddings=True, qkv_bias=False, num_kv_heads=4), 2, False),
+    # Every checkpoint option at once (Qwen3's q/k norms with k/v heads replicated, a head size
+    # not hidden/heads, Llama 3's rope scaling, a window shorter than the sequence of 12): the
+    # grad norm must count the q/k norms once, and SGD must keep their replicas equal.
+    ("qk-norm-head-dim-llama3-window",
+     dict(qk_norm=True, head_dim=6, num_kv_heads=2, sliding_window=5,
+          rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16)), 4, True),
 ]
 
 
@@ -63,9 +70,27 @@ def test_qkv_bias_is_applied_and_trained():
     (dict(qkv_bias=1), ["qkv_bias=1", "bool"]),
     (dict(norm_eps=0.0), ["norm_eps=0.0", "positive"]),
     (dict(rope_base=-1.0), ["rope_base=-1.0", "positive"]),
+    (dict(head_dim=5), ["head_dim=5", "even"]),
+    (dict(hidden_size=50, head_dim=None), ["hidden_size=50", "num_heads=12", "head_dim"]),
+    (dict(sliding_window=0), ["sliding_window=0", "positive"]),
+    (dict(qk_norm="yes"), ["qk_norm='yes'", "bool"]),
+    (dict(rope_scaling=dict(factor=8.0)), ["rope_scaling=", "RopeScaling"]),
 ])
 def test_bad_llama_options_raise_one_line_naming_the_field(change, words):
     with pytest.raises(ValueError) as info:
         dataclasses.replace(LLAMA, **change)
+    msg = str(info.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("args, words", [
+    (("yarn", 4.0), ["kind='yarn'", "'linear'", "'llama3'"]),
+    (("linear", 0.0), ["factor=0.0", "positive"]),
+    (("llama3", 8.0, 4.0, 1.0), ["high_freq_factor=1.0", "low_freq_factor=4.0"]),
+    (("llama3", 8.0, 1.0, 4.0, 0), ["original_max_seq_len=0", "positive"]),
+])
+def test_bad_rope_scaling_raises_one_line_naming_the_field(args, words):
+    with pytest.raises(ValueError) as info:
+        RopeScaling(*args)
     msg = str(info.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
