@@ -24,7 +24,7 @@ The limits, per step and per rank (no run can be faster than either):
 - compute-bound = tp's step time over loopback x (1 - blocked / total) of the loopback
   timeline's block (medians over its recordings, slowest rank of each): the step without the
   time the ranks sat blocked in communication. On this
-  CPU a transfer's own CPU work stays in it (it is not hideable here, see the README).
+  CPU a transfer's own CPU work stays in it (it is not hideable here, see profiling/README.md).
 """
 import json
 import os

@@ -6,13 +6,16 @@ conftest.py) and return error measures, never verdicts; `assert_errors` runs in 
 process and prints the numbers. The error is max |actual - expected| / max |expected|, so one
 tolerance fits tensors of any scale.
 
-Tolerance policy (README, "Tests and tolerances"):
+Tolerance policy (tests/README.md):
 - fp32: <= 1e-5, for one layer and for the whole model along three SGD steps. TP changes only
   the order of additions.
 - bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
   or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
 A sharding bug gives errors of order 1 in either dtype.
 """
+import os
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -192,3 +195,63 @@ def assert_matches_baseline(per_rank, config, what, tol=MODEL_FP32_TOL):
     counts = {errors.pop("#grads") for errors in per_rank}
     assert counts == {n_params}, f"{what}: compared {counts} gradients, the model has {n_params}"
     return assert_errors(per_rank, tol, what)
+
+
+# ----------------------------------------------------------------------------------------------
+# Code quoted in Markdown (the posts, the README): an excerpt tag, then a fenced block that must
+# appear in the tagged file character for character (see test_blog.py's docstring)
+# ----------------------------------------------------------------------------------------------
+_TAG = re.compile(r"<!--\s*excerpt:\s*(\S+)\s*-->")
+_FENCE = re.compile(r"^(`{3,}|~{3,})")
+
+
+def parse_excerpts(text):
+    """[(line number of the tag, source path, code)] for every tag in a Markdown text.
+
+    A tag must be followed (blank lines allowed) by a fenced block; anything else is an error,
+    so a tag can never silently check nothing.
+    """
+    lines = text.splitlines()
+    excerpts = []
+    for i, line in enumerate(lines):
+        tag = _TAG.search(line)
+        if not tag:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        fence = _FENCE.match(lines[j].strip()) if j < len(lines) else None
+        if fence is None:
+            raise ValueError(f"line {i + 1}: excerpt tag for {tag.group(1)} is not followed by "
+                             f"a fenced code block")
+        marker = fence.group(1)
+        indent = len(lines[j]) - len(lines[j].lstrip())
+        body = []
+        for k in range(j + 1, len(lines)):
+            if lines[k].strip().startswith(marker) and not lines[k].strip()[len(marker):].strip():
+                break
+            body.append(lines[k][indent:] if lines[k][:indent].isspace() else lines[k])
+        else:
+            raise ValueError(f"line {j + 1}: the code block after the excerpt tag for "
+                             f"{tag.group(1)} is never closed")
+        excerpts.append((i + 1, tag.group(1), "\n".join(body).strip("\n")))
+    return excerpts
+
+
+def check_excerpts(text, root):
+    """Problems found, one line each: a missing source file or an excerpt not found in it."""
+    problems = []
+    for line_no, path, code in parse_excerpts(text):
+        source_path = os.path.join(root, path)
+        if not os.path.isfile(source_path):
+            problems.append(f"line {line_no}: excerpt source {path} does not exist")
+            continue
+        with open(source_path, encoding="utf-8") as f:
+            source = f.read()
+        if not code.strip():
+            problems.append(f"line {line_no}: the excerpt of {path} is empty")
+        elif code not in source:
+            first = code.splitlines()[0].strip()
+            problems.append(f"line {line_no}: the excerpt of {path} starting {first!r} is not "
+                            f"in the file any more (update the post)")
+    return problems

@@ -2,7 +2,7 @@
 
 Functions named `_on_rank_*` run inside the worker ranks (see conftest.py) and return error
 measures, never verdicts: the assertions run here in the pytest process and print the numbers.
-The tolerance policy is in helpers.py (and the README, "Tests and tolerances").
+The tolerance policy is in helpers.py (and tests/README.md).
 """
 import math
 
