@@ -164,8 +164,8 @@ class _RingAllGatherGemm(torch.autograd.Function):
         ring = Ring(group)
         n = x_local.shape[0]
         y = x_local.new_empty((n * ring.size, *x_local.shape[1:-1], weight.shape[0]))
-        ring_all_gather(x_local, ring,
-                        lambda c, x_c: _linear_into(y[c * n:(c + 1) * n], x_c, weight, bias))
+        ring_all_gather(x_local,
+                        lambda c, x_c: _linear_into(y[c * n:(c + 1) * n], x_c, weight, bias), ring)
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return y
@@ -179,7 +179,7 @@ class _RingAllGatherGemm(torch.autograd.Function):
         dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
 
         dw = _WeightGradAccumulator(weight)
-        ring_all_gather(x_local, ring, lambda c, x_c: dw.add(dy_chunk(c), x_c))
+        ring_all_gather(x_local, lambda c, x_c: dw.add(dy_chunk(c), x_c), ring)
         dx_local = ring_reduce_scatter(lambda c: dy_chunk(c).matmul(weight), ring)
         db = _bias_grad(dy) if ctx.has_bias else None
         return dx_local, dw.result(), db, None
@@ -253,7 +253,7 @@ class _GemmRingReduceScatter(torch.autograd.Function):
             torch.mm(_flat(dy_c), weight, out=_flat(dx[c * n:(c + 1) * n]))
             dw.add(dy_c, x[c * n:(c + 1) * n])
 
-        ring_all_gather(dy_local, ring, consume)
+        ring_all_gather(dy_local, consume, ring)
         db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
         return dx, dw.result(), db, None
 

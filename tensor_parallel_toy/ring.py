@@ -43,19 +43,19 @@ class Ring:
         return send_recv(send, self.next, recv, self.prev, self.group)
 
 
-def ring_all_gather(shard, ring, consume):
-    """Pass this rank's `shard` around the ring; call `consume(c, chunk_c)` on every chunk.
+def ring_all_gather(shard, shard_consumer, ring):
+    """Pass this rank's `shard` around the ring; call `shard_consumer(c, chunk_c)` on every chunk.
 
-    shard `[n, ...]` (this rank's chunk r); `consume(c, chunk)` gets each of the p chunks once,
-    its own first, and must not keep `chunk` (its buffer receives again two steps later). The
-    plain code it is equivalent to, with each transfer hidden under a `consume` instead:
+    shard `[n, ...]` (this rank's chunk r); `shard_consumer(c, chunk)` gets each of the p chunks
+    once, its own first, and must not keep `chunk` (its buffer receives again two steps later).
+    The plain code it is equivalent to, with each transfer hidden under a consumer call instead:
 
         chunks = all_gather(shard)                  # [p, n, ...], chunk c from rank c
         for k in range(p):
-            consume((r - k) % p, chunks[(r - k) % p])
+            shard_consumer((r - k) % p, chunks[(r - k) % p])
 
     Step k: rank r holds chunk (r - k) mod p. The send/recv of step k+1's chunk is posted
-    *before* consume runs on chunk k, so the transfer is in flight during the GEMM:
+    *before* the consumer runs on chunk k, so the transfer is in flight during the GEMM:
 
         rank r:  post(k=0) | gemm(chunk r)   | wait | post(k=1) | gemm(chunk r-1) | wait | ...
     """
@@ -69,20 +69,21 @@ def ring_all_gather(shard, ring, consume):
             # The other spare held the chunk of step k-1: consumed and sent, both waited for.
             incoming = spare[k % 2]
             pending = ring.shift(send=current, recv=incoming)
-        consume((r - k) % p, current)
+        shard_consumer((r - k) % p, current)
         if pending is not None:
             pending.wait()
             current = incoming
 
 
-def ring_reduce_scatter(produce, ring):
-    """Reduce-scatter of partial sums that `produce(c)` computes chunk by chunk, just in time.
+def ring_reduce_scatter(chunk_producer, ring):
+    """Reduce-scatter of partial sums that `chunk_producer(c)` computes chunk by chunk, just in
+    time.
 
-    `produce(c)` returns this rank's partial sum of chunk c, `[n, ...]`, a tensor the ring may
-    add into. Returns chunk r summed over all ranks. The plain code it is equivalent to, with
-    each transfer hidden under the next `produce` instead:
+    `chunk_producer(c)` returns this rank's partial sum of chunk c, `[n, ...]`, a tensor the
+    ring may add into. Returns chunk r summed over all ranks. The plain code it is equivalent
+    to, with each transfer hidden under the next producer call instead:
 
-        partials = torch.cat([produce(c) for c in range(p)])   # [p*n, ...]
+        partials = torch.cat([chunk_producer(c) for c in range(p)])   # [p*n, ...]
         return reduce_scatter(partials)                         # chunk r, summed over ranks
 
     The running sum of chunk c starts on rank c+1 and travels right around the ring, each rank
@@ -91,7 +92,7 @@ def ring_reduce_scatter(produce, ring):
     is in flight, the GEMM for the next chunk runs.
     """
     p, r = ring.size, ring.rank
-    acc = produce((r - 1) % p).contiguous()
+    acc = chunk_producer((r - 1) % p).contiguous()
     if p == 1:
         return acc
     # One receive buffer is enough: the add that reads it is queued before the next step's
@@ -99,7 +100,7 @@ def ring_reduce_scatter(produce, ring):
     incoming = acc.new_empty(acc.shape)
     for k in range(1, p):
         pending = ring.shift(send=acc, recv=incoming)
-        partial = produce((r - 1 - k) % p)
+        partial = chunk_producer((r - 1 - k) % p)
         pending.wait()
         acc = partial.add_(incoming)
     return acc

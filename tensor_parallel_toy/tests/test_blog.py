@@ -5,7 +5,7 @@ repository root:
 
     <!-- excerpt: tensor_parallel_toy/ring.py -->
     ```python
-    def ring_all_gather(shard, ring, consume):
+    def ring_all_gather(shard, shard_consumer, ring):
         ...
     ```
 

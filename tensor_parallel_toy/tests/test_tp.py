@@ -370,8 +370,8 @@ class _RecordingRing:
 @pytest.mark.parametrize("p", [2, 4])
 def test_ring_posts_next_transfer_before_each_gemm(p):
     log = []
-    ring_all_gather(torch.zeros(2, 3), _RecordingRing(p, 1, log),
-                    lambda c, chunk: log.append(f"gemm{c}"))
+    ring_all_gather(torch.zeros(2, 3), lambda c, chunk: log.append(f"gemm{c}"),
+                    _RecordingRing(p, 1, log))
     chunks = [(1 - k) % p for k in range(p)]
     expected = sum((["post", f"gemm{c}", "wait"] for c in chunks[:-1]), []) + [f"gemm{chunks[-1]}"]
     assert log == expected, log
