@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
+from .config import check_divisible
 from .sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
 
 # The class attributes a block declares its layers with; the underscored names are the ones
@@ -152,9 +153,7 @@ def _check_layer(layer, kind, p, where):
         raise ValueError(f"{where}: {type(layer).__name__} cannot be made {kind}-parallel; "
                          f"supported are nn.Linear and 1x1 nn.Conv2d")
     name, value = (names[0], n_out) if kind == "column" else (names[1], n_in)
-    if value % p:
-        raise ValueError(f"{where}: {name}={value} is not divisible by the tensor-parallel "
-                         f"size {p}")
+    check_divisible(f"{where}: {name}", value, p)
 
 
 def apply_tensor_parallel(model, tp_group):

@@ -125,11 +125,8 @@ class ModelConfig:
             raise ValueError(f"tensor-parallel size {tp_size!r} must be a positive integer")
         for name in ("hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
             value = getattr(self, name)
-            if value % tp_size:
-                valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
-                raise ValueError(
-                    f"{name}={value} is not divisible by the tensor-parallel size {tp_size}; "
-                    f"valid TP sizes for it: {valid}")
+            valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+            check_divisible(name, value, tp_size, f"valid TP sizes for it: {valid}")
         # K/V heads are split when there are at least as many as ranks, and replicated (each
         # rank using one) when there are fewer: either way each rank's query heads must find
         # all their k/v heads on that rank, which needs one of the two to divide the other.
@@ -141,6 +138,14 @@ class ModelConfig:
                 f"num_kv_heads={kv} does not fit the tensor-parallel size {tp_size}: it must "
                 f"be a multiple of it (k/v heads split) or divide it (k/v heads replicated); "
                 f"valid TP sizes for it: {valid}")
+
+
+def check_divisible(name: str, value: int, tp_size: int, why: str = "") -> None:
+    """The one check (and message) for every size the TP ranks split: `name=value` must be a
+    multiple of the tensor-parallel size. `why`, if given, is appended to the message."""
+    if value % tp_size:
+        raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size "
+                         f"{tp_size}" + (f"; {why}" if why else ""))
 
 
 def padded_seq_len(seq_len: int, tp_size: int) -> int:

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from .comm import all_reduce_
+from .config import check_divisible
 
 
 def tp_plan(config):
@@ -234,9 +235,7 @@ def check_hf_plan(hf_config, tp_size):
                          "gradients would stay partial sums over each rank's heads")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "hidden_size"):
-        if get(name) % tp_size:
-            raise ValueError(f"{name}={get(name)} is not divisible by the tensor-parallel "
-                             f"size {tp_size} (k/v heads are split, never replicated here)")
+        check_divisible(name, get(name), tp_size, "k/v heads are split, never replicated here")
 
 
 def parallelize_hf_model(hf_model, tp_mesh):

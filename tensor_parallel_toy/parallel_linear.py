@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_gather_seq, all_reduce_, group_size, reduce_scatter_seq
+from .config import check_divisible
 from .ring import Ring, ring_all_gather, ring_reduce_scatter
 from .sharding import init_from_full_, mark_tensor_parallel
 
@@ -261,11 +262,6 @@ class _GemmRingReduceScatter(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # The two operations as functions, and the Modules that hold their weight shards
 # ----------------------------------------------------------------------------------------------
-def _check_divisible(what, value, p):
-    if value % p:
-        raise ValueError(f"{what}={value} is not divisible by the tensor-parallel size {p}")
-
-
 def column_parallel_linear(x, weight, bias, group, overlap=False):
     """All-gather the sequence, then `x W^T + b` with this rank's rows of W.
 
@@ -290,9 +286,7 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
     p = group_size(group)
     if p == 1:
         return F.linear(x, weight, bias)
-    if x.shape[0] % p:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the "
-                         f"tensor-parallel size {p}")
+    check_divisible("sequence length", x.shape[0], p, "pad the sequence (the Transformer does)")
     fn = _GemmRingReduceScatter if overlap else _GemmReduceScatter
     return fn.apply(x, weight, bias, group)
 
@@ -302,8 +296,8 @@ class _ParallelLinear(nn.Module):
                  device=None, dtype=None, check_ranks=True):
         super().__init__()
         p = group_size(tp_group)
-        _check_divisible("out_features" if split_dim == 0 else "in_features",
-                         (out_features, in_features)[split_dim], p)
+        check_divisible("out_features" if split_dim == 0 else "in_features",
+                        (out_features, in_features)[split_dim], p)
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
         shape = [out_features, in_features]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
+from .config import check_divisible
 from .sharding import init_from_full_, mark_tensor_parallel
 
 
@@ -80,9 +81,7 @@ class VocabParallelEmbedding(nn.Module):
                  dtype=None, check_ranks=True):
         super().__init__()
         p = group_size(tp_group)
-        if num_embeddings % p:
-            raise ValueError(f"num_embeddings={num_embeddings} is not divisible by the "
-                             f"tensor-parallel size {p}")
+        check_divisible("num_embeddings", num_embeddings, p)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_group, self.check_ids = tp_group, check_ids
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)

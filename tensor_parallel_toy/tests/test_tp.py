@@ -340,7 +340,7 @@ def test_bad_sizes_raise_one_clear_error_naming_the_values(pools, tp):
                 "num_heads": ["num_heads=2", f"size {tp}"],
                 "ffn_hidden_size": ["ffn_hidden_size=98", f"size {tp}"],
                 "vocab_size": ["vocab_size=97", f"size {tp}"],
-                "sequence": [f"sequence length {2 * tp + 1}", f"size {tp}"],
+                "sequence": [f"sequence length={2 * tp + 1}", f"size {tp}"],
                 "column out_features": [f"out_features={4 * tp + 1}"],
                 "row in_features": [f"in_features={4 * tp + 1}"]}
     assert messages["model output"] == [BATCH, 2 * tp + 1, 96], messages["model output"]
