@@ -7,6 +7,8 @@ shape error inside a matmul on rank 3.
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 MLP_KINDS = ("gelu", "swiglu")
 ROPE_SCALINGS = ("linear", "llama3")
 
@@ -158,12 +160,18 @@ def padded_seq_len(seq_len: int, tp_size: int) -> int:
     return seq_len + (-seq_len) % tp_size
 
 
-def check_seq_len(seq_len: int, tp_size: int, max_seq_len: int) -> None:
-    """The model takes any length from 1 to max_seq_len (it pads to a multiple of tp_size).
+def pad_sequence(t, tp_size: int, value):
+    """[s, ...] -> [s', ...], s' = padded_seq_len(s, tp_size), `value` in the new rows."""
+    pad = padded_seq_len(t.shape[0], tp_size) - t.shape[0]
+    if not pad:
+        return t
+    return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
 
-    The sequence-parallel layers themselves still need a multiple of the TP size; they raise
-    their own error when given anything else.
-    """
+
+def check_seq_len(seq_len: int, max_seq_len: int) -> None:
+    """The model takes any length from 1 to max_seq_len: the rotary tables stop there. (The
+    Transformer pads a length the TP size does not divide, with `padded_seq_len`; the
+    sequence-parallel layers on their own refuse one.)"""
     if not 1 <= seq_len <= max_seq_len:
         raise ValueError(f"sequence length {seq_len} must be between 1 and "
                          f"max_seq_len={max_seq_len}")

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from .comm import all_reduce_
-from .config import check_divisible
+from .config import check_divisible, pad_sequence
 
 
 def tp_plan(config):
@@ -255,10 +255,8 @@ def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):
     from every real token, with labels ignore_index so the loss skips it: the loss and the
     gradients are those of the unpadded batch.
     """
-    pad = (-input_ids.shape[1]) % tp_size
-    if not pad:
-        return input_ids, labels
-    return F.pad(input_ids, (0, pad), value=pad_id), F.pad(labels, (0, pad), value=ignore_index)
+    return (pad_sequence(input_ids.t(), tp_size, pad_id).t().contiguous(),
+            pad_sequence(labels.t(), tp_size, ignore_index).t().contiguous())
 
 
 def hf_loss_and_backward(hf_model, input_ids, labels, ignore_index=-100):

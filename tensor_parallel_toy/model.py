@@ -29,18 +29,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .agreement import (agree_on_batch, check_ranks_agree, check_same_batch_option,
-                        module_fingerprint)
+from .agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
+from .batch import check_batch
 from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                    group_rank, group_size)
-from .config import ModelConfig, check_seq_len, padded_seq_len
+from .config import ModelConfig, pad_sequence, padded_seq_len
 from .parallel_linear import column_linear, column_parallel_linear, row_linear
 from .rotary import apply_rotary, rotary_tables
 from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
                        mark_sequence_parallel, mark_tensor_parallel, named_layouts,
                        record_layouts, scatter_data_parallel, shard, unshard)
-from .vocab_parallel import (VocabParallelEmbedding, check_loss_options, check_token_ids,
-                             vocab_parallel_cross_entropy)
+from .vocab_parallel import VocabParallelEmbedding, cross_entropy_of_shards
 
 
 class RMSNorm(nn.Module):
@@ -282,39 +281,6 @@ class Transformer(nn.Module):
         check_ranks_agree(fingerprint, tp_group, "Transformers")  # one tiny all-gather
 
     # -- forward ---------------------------------------------------------------------------------
-    def _check_batch(self, input_ids, labels=None, ignore_index=None):
-        """Everything about the batch that can be wrong, refused in one line on every rank."""
-        batch = {"input_ids": input_ids}
-        if labels is not None:
-            batch["labels"] = labels
-        # First: from here on the batch is the same on every rank, and so is any error below.
-        agree_on_batch(batch, self.tp_group, self.same_batch)
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
-        check_seq_len(input_ids.shape[1], self.tp_size, self.config.max_seq_len)
-        check_token_ids(input_ids, self.config.vocab_size, "token id", check_ids=self.check_ids)
-        if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels of shape {list(labels.shape)} do not match input_ids "
-                                 f"of shape {list(input_ids.shape)}")
-            check_token_ids(labels, self.config.vocab_size, "label", ignore_index,
-                            check_ids=self.check_ids)
-
-    def _pad(self, t, value):
-        """[s, b] -> [s', b], s' the next multiple of the TP size, `value` in the new rows."""
-        pad = padded_seq_len(t.shape[0], self.tp_size) - t.shape[0]
-        return F.pad(t, (0, 0, 0, pad), value=value) if pad else t
-
-    def _local_logits(self, input_ids):
-        """input_ids [b, s] (checked) -> this rank's logits [s', b, V/p] (s' = s padded; the
-        baseline: [s, b, V])."""
-        # Pad with any valid token: causal attention never lets a real token see it.
-        ids = self._pad(input_ids.t(), 0)  # [s', b]
-        x = self.embed(ids)  # [s'/p, b, h]
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        return self.head(self.norm(x))  # [s', b, V/p]
-
     def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
                 reduction="mean"):
         """`model(input_ids)`: the full logits `[b, s, V]`. `model(input_ids, labels)`: the
@@ -325,24 +291,29 @@ class Transformer(nn.Module):
 
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
+        check_batch(self, input_ids, labels, ignore_index=ignore_index,
+                    label_smoothing=label_smoothing, reduction=reduction)
+        s = input_ids.shape[1]
+        x = self.embed(pad_sequence(input_ids.t(), self.tp_size, 0))  # [s'/p, b, h]
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        logits = self.head(self.norm(x))  # [s', b, V/p]: s' = s padded to a multiple of p
         if labels is None:
-            self._check_batch(input_ids)
-            logits = self._local_logits(input_ids)  # [s', b, V/p]
-            logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V]
-            return logits[:input_ids.shape[1]].transpose(0, 1)  # [b, s, V]
-        check_loss_options(label_smoothing, reduction)
-        self._check_batch(input_ids, labels, ignore_index)  # before the forward's collectives
+            return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
+        labels = pad_sequence(labels.t(), self.tp_size, ignore_index)  # [s', b]
+        loss = self._cross_entropy(logits, labels, ignore_index, label_smoothing, reduction)
+        return loss[:s].t() if reduction == "none" else loss  # [b, s] or a scalar
+
+    def _cross_entropy(self, logits, labels, ignore_index, label_smoothing, reduction):
+        """logits [s', b, V/p], labels [s', b] -> the loss; the baseline's is F.cross_entropy,
+        the reference every TP result is compared with."""
         if self.tp_group is None:
-            logits = self._local_logits(input_ids)  # [s, b, V]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.t().flatten(),
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    reduction=reduction)
-            return loss.view(labels.shape[::-1]).t() if reduction == "none" else loss
-        labels_t = self._pad(labels.t(), ignore_index)  # [s', b]: padding is not counted
-        loss = vocab_parallel_cross_entropy(
-            self._local_logits(input_ids), labels_t, self.tp_group, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, reduction=reduction, check_ids=False)
-        return loss[:labels.shape[1]].t() if reduction == "none" else loss
+            return loss.view(labels.shape) if reduction == "none" else loss
+        return cross_entropy_of_shards(logits, labels, self.tp_group, ignore_index,
+                                       label_smoothing, reduction)
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

@@ -182,9 +182,18 @@ def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index
     if labels.shape != logits_local.shape[:-1]:
         raise ValueError(f"labels of shape {list(labels.shape)} do not match logits of shape "
                          f"{list(logits_local.shape)} (expected {list(logits_local.shape[:-1])})")
-    vocab_size = logits_local.shape[-1] * group_size(tp_group)
     check_loss_options(label_smoothing, reduction)
-    check_token_ids(labels, vocab_size, "label", ignore_index, check_ids)
+    check_token_ids(labels, logits_local.shape[-1] * group_size(tp_group), "label", ignore_index,
+                    check_ids)
+    return cross_entropy_of_shards(logits_local, labels, tp_group, ignore_index,
+                                   label_smoothing, reduction)
+
+
+def cross_entropy_of_shards(logits_local, labels, tp_group, ignore_index, label_smoothing,
+                            reduction):
+    """`vocab_parallel_cross_entropy` without its checks, for a caller that made them already
+    (the Transformer checks each batch once, before its first collective)."""
+    vocab_size = logits_local.shape[-1] * group_size(tp_group)
     loss = _VocabParallelCrossEntropy.apply(
         logits_local.reshape(-1, logits_local.shape[-1]), labels.reshape(-1), tp_group,
         vocab_size, ignore_index, float(label_smoothing))  # [N]

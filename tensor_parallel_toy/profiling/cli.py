@@ -24,7 +24,7 @@ import types
 import torch
 
 from .. import dtensor_tp
-from ..config import ModelConfig, check_seq_len
+from ..config import ModelConfig
 from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
 from . import link, report, sweep
 from .data import CORPUS_VOCAB
@@ -178,7 +178,6 @@ def parse_args(argv, env=os.environ):
                                   tie_embeddings=args.tie_embeddings,
                                   mlp=MODELS[args.model]["mlp"])
         args.config.check_tp_size(args.tp)
-        check_seq_len(args.seq, args.tp, args.seq)
         if "dtensor" in args.modes:
             dtensor_tp.check_plan(args.config, args.tp)
             if args.seq % args.tp:
