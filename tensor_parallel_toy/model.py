@@ -37,7 +37,7 @@ from .config import ModelConfig, pad_sequence, padded_seq_len
 from .parallel_linear import column_linear, column_parallel_linear, row_linear
 from .rotary import apply_rotary, rotary_tables
 from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
-                       mark_sequence_parallel, mark_tensor_parallel, named_layouts,
+                       mark_tensor_parallel, named_layouts,
                        record_layouts, scatter_data_parallel, shard, unshard)
 from .vocab_parallel import VocabParallelEmbedding, cross_entropy_of_shards
 
@@ -53,19 +53,16 @@ class RMSNorm(nn.Module):
     (`fully_shard`), and each backward sums only its own contribution before autograd adds it
     to `.grad` (gradient accumulation stays exact).
 
-    The same norm over each attention head (`sequence_parallel=False`: x `[s, b, heads/p, hd]`,
+    The same norm over each attention head (x `[s, b, heads/p, hd]`,
     weight `[hd]`, Qwen3's q/k norms) sits inside the tensor-parallel region: every rank sees all
     s tokens but only its own heads, so its gradient is again a partial sum, over heads instead
     of tokens, and the same `f` sums it.
     """
 
-    def __init__(self, dim, eps=1e-5, tp_group=None, sequence_parallel=True):
+    def __init__(self, dim, eps=1e-5, tp_group=None):
         super().__init__()
         self.eps, self.tp_group = eps, tp_group
-        weight = nn.Parameter(torch.ones(dim))
-        if sequence_parallel:
-            mark_sequence_parallel(weight)
-        self.weight = mark_init_std(weight, None)  # keep the ones
+        self.weight = mark_init_std(nn.Parameter(torch.ones(dim)), None)  # keep the ones
 
     def forward(self, x):
         rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
@@ -123,8 +120,8 @@ class Attention(nn.Module):
         # heads): their gradients are partial sums over the heads, summed by the norm's `f`.
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.norm_eps, tp_group, sequence_parallel=False)
-            self.k_norm = RMSNorm(hd, config.norm_eps, tp_group, sequence_parallel=False)
+            self.q_norm = RMSNorm(hd, config.norm_eps, tp_group)
+            self.k_norm = RMSNorm(hd, config.norm_eps, tp_group)
 
     def _project(self, x):
         """x -> q [s, b, nh/p, hd], and k, v [s, b, nkv/p (or 1 when replicated), hd]."""

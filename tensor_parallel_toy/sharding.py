@@ -11,12 +11,6 @@ tensor_parallel_dim
     set by:  mark_tensor_parallel (column, row, vocabulary and classic TP layers)
     read by: full_shape, shard, unshard (checkpoints, full state dicts and gradients),
              grad_norm, and classic_tp's sync_replicated_gradients
-sequence_parallel
-    replicated, but applied to this rank's s/p tokens only: each rank's gradient is a partial
-    sum over the sequence, which the layer itself sums over the TP group in its backward
-    (RMSNorm sends its weight through `f`); nothing communicates on the mark, it documents
-    the layout (and the tests count it)
-    set by:  mark_sequence_parallel (the RMSNorm weights)
 init_std
     std of the model's normal init; None: keep the values built (a norm's ones)
     set by:  mark_init_std (model.py)
@@ -46,13 +40,6 @@ def mark_tensor_parallel(param, dim):
     return param
 
 
-def mark_sequence_parallel(param):
-    """A replicated parameter applied to sequence-parallel activations: each rank's gradient
-    covers only its s/p tokens and must be summed over the TP group. Returns `param`."""
-    param.sequence_parallel = True
-    return param
-
-
 def mark_init_std(param, std):
     """The std of `param`'s normal init in `Transformer.reset_parameters` (None: keep it)."""
     param.init_std = std
@@ -76,14 +63,12 @@ def init_std(param):
 class Layout:
     """One parameter's marks (see the table at the top)."""
     tensor_parallel_dim: int | None = None
-    sequence_parallel: bool = False
     init_std: float | None = DEFAULT_INIT_STD
 
 
 def layout_of(param):
     """The `Layout` read from the marks on `param` itself."""
-    return Layout(tensor_parallel_dim(param), getattr(param, "sequence_parallel", False),
-                  init_std(param))
+    return Layout(tensor_parallel_dim(param), init_std(param))
 
 
 def record_layouts(model):
@@ -204,6 +189,6 @@ def grad_norm(model, tp_group=None):
 
 
 __all__ = ["Layout", "full_shape", "gather_data_parallel", "grad_norm", "init_from_full_",
-           "init_std", "layout_of", "mark_init_std", "mark_sequence_parallel",
+           "init_std", "layout_of", "mark_init_std",
            "mark_tensor_parallel", "named_layouts", "record_layouts", "scatter_data_parallel",
            "shard", "tensor_parallel_dim", "unshard"]

@@ -143,10 +143,12 @@ def _on_rank_marks_across_fully_shard():
     return {"names": sorted(before) == sorted(after),
             "replaced": sum(after[n][0] is not before[n][0] for n in after),
             "marks left on the new Parameters": sum(
-                hasattr(p, "tensor_parallel_dim") or hasattr(p, "sequence_parallel")
+                hasattr(p, "tensor_parallel_dim") or hasattr(p, "init_std")
                 for p, _ in after.values()),
             "layouts kept": sum(after[n][1] == before[n][1] for n in after),
-            "sequence parallel": sum(layout.sequence_parallel for _, layout in after.values()),
+            # The norms: replicated, and kept as built (ones) by the init.
+            "norms": sum(layout.tensor_parallel_dim is None and layout.init_std is None
+                         for _, layout in after.values()),
             "count": len(after)}
 
 
@@ -158,7 +160,7 @@ def test_fully_shard_replaces_every_parameter_and_the_recorded_layouts_survive(p
         n = r["count"]
         assert r["names"] and r["replaced"] == n and r["layouts kept"] == n, r
         assert r["marks left on the new Parameters"] == 0, r
-        assert r["sequence parallel"] == n_norms, r
+        assert r["norms"] == n_norms, r
 
 
 def _on_rank_bad_mesh():
