@@ -57,7 +57,7 @@ def init_mesh_2d(dp_size, tp_size, device_type="cpu"):
 
 def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
     """FSDP2 over `mesh["dp"]` on a `Transformer`, ours (tp_group=mesh["tp"].get_group()) or
-    the DTensor plan's (`dtensor_tp.parallelize(model, mesh["tp"])`). Returns `model`.
+    the DTensor plan's (`dtensor_tp.parallelize_transformer(model, mesh["tp"])`). Returns `model`.
 
     Each block is its own unit, so only one block's full parameters exist at a time and its
     all-gather can overlap the previous block's compute; the root unit holds the rest

@@ -40,7 +40,7 @@ from .comm import all_reduce_
 from .config import check_divisible, pad_sequence
 
 
-def tp_plan(config):
+def transformer_plan(config):
     """The parallelize plan for `Transformer(config)`, by module name."""
     seq_shard = Shard(0)  # our activations are [s, b, h]
     plan = {
@@ -54,7 +54,7 @@ def tp_plan(config):
         block = f"layers.{i}"
         # Grouped-query attention has separate q and kv weights (kv rows laid out k/v head by
         # k/v head): Colwise shards of both hold whole heads, as long as each rank gets at
-        # least one k/v head (checked by `check_plan`).
+        # least one k/v head (checked by `check_transformer_plan`).
         projections = ({f"{block}.attn.q": ColwiseParallel(), f"{block}.attn.kv": ColwiseParallel()}
                        if grouped else {f"{block}.attn.qkv": ColwiseParallel()})
         plan.update(projections)
@@ -73,7 +73,7 @@ def tp_plan(config):
     return plan
 
 
-def check_plan(config, tp_size):
+def check_transformer_plan(config, tp_size):
     """What this plan cannot express, refused in one line before any collective."""
     if config.tie_embeddings:
         raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
@@ -92,7 +92,7 @@ def check_plan(config, tp_size):
                          f"leave the dtensor mode out")
 
 
-def parallelize(model, tp, device_type="cpu"):
+def parallelize_transformer(model, tp, device_type="cpu"):
     """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp`: a process
     group, or a 1-D DeviceMesh (the "tp" dimension of a 2-D mesh, for `fully_shard` over its
     "dp" dimension afterwards: see data_parallel.py).
@@ -101,22 +101,22 @@ def parallelize(model, tp, device_type="cpu"):
     its own shard of every split weight, so the result starts from the baseline's weights.
     """
     mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
-    check_plan(model.config, mesh.size())
-    return parallelize_module(model, mesh, tp_plan(model.config))
+    check_transformer_plan(model.config, mesh.size())
+    return parallelize_module(model, mesh, transformer_plan(model.config))
 
 
-def loss(model, input_ids, labels):
+def transformer_loss(model, input_ids, labels):
     """Mean cross-entropy on vocab-sharded logits: `loss_parallel` computes the softmax
     without gathering `[b, s, V]`. Backward must run inside the same context, so call
-    `.backward()` on the result within `loss_parallel()` too (see `loss_and_backward`)."""
+    `.backward()` on the result within `loss_parallel()` too (see `transformer_loss_and_backward`)."""
     logits = model(input_ids)  # DTensor [b, s, V], Shard(2)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def loss_and_backward(model, input_ids, labels):
+def transformer_loss_and_backward(model, input_ids, labels):
     """One forward + backward; returns the (replicated) loss as a plain scalar tensor."""
     with loss_parallel():
-        value = loss(model, input_ids, labels)
+        value = transformer_loss(model, input_ids, labels)
         value.backward()
     return value.to_local().detach()
 
@@ -136,7 +136,7 @@ def reduce_partial_grads(model):
 
 
 @torch.no_grad()
-def grad_norm(model, tp_group):
+def placement_grad_norm(model, tp_group):
     """Global L2 norm of the gradients, from local shards, read from the DTensor placements:
     a `Shard` gradient's local squares are summed over the group, a `Replicate` one is counted
     once. A `Partial` gradient has no meaningful local norm: reduce it first. For the 1-D TP
@@ -186,7 +186,7 @@ def grad_norm(model, tp_group):
 # s/p. With the full-length embedding output the model's own position and mask code sees s
 # positions, and the first layer's input is cut to this rank's rows (no communication). The
 # price is one all-reduce instead of a reduce-scatter, once per step.
-def hf_tp_plan(num_layers):
+def hf_plan(num_layers):
     """The parallelize plan for a Hugging Face Llama-family `...ForCausalLM`, by module name."""
     seq_shard = Shard(1)
     plan = {
@@ -244,7 +244,7 @@ def parallelize_hf_model(hf_model, tp_mesh):
     pass the same full model. Feed it `pad_to_tp_size(...)` batches, take the loss with
     `hf_loss_and_backward`, and call `reduce_partial_grads` before reading gradients."""
     check_hf_plan(hf_model.config, tp_mesh.size())
-    return parallelize_module(hf_model, tp_mesh, hf_tp_plan(hf_model.config.num_hidden_layers))
+    return parallelize_module(hf_model, tp_mesh, hf_plan(hf_model.config.num_hidden_layers))
 
 
 def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):

@@ -130,8 +130,8 @@ def config_from_hf(hf_config, max_seq_len=None) -> ModelConfig:
 
 
 def _layer_names(i):
-    """(Hugging Face prefix, our prefix) of block i."""
-    return f"model.layers.{i}.", f"layers.{i}."
+    """(our prefix, Hugging Face prefix) of block i: ours first, as in every pair here."""
+    return f"layers.{i}.", f"model.layers.{i}."
 
 
 # Tensors that only change their name: (ours, Hugging Face's); the per-block ones under the
@@ -152,7 +152,7 @@ def _renamed(config):
     pairs = list(_RENAMED)
     per_block = _RENAMED_PER_BLOCK + (_QK_NORMS if config.qk_norm else ())
     for i in range(config.num_layers):
-        theirs, ours = _layer_names(i)
+        ours, theirs = _layer_names(i)
         pairs += [(ours + a, theirs + b) for a, b in per_block]
     return pairs
 
@@ -180,7 +180,7 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict):
     out["head.weight"] = out["embed.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     nh, nkv = config.num_heads, config.num_kv_heads
     for i in range(config.num_layers):
-        theirs, ours = _layer_names(i)
+        ours, theirs = _layer_names(i)
         for sfx in _qkv_suffixes(config):
             q, k, v = (hf[f"{theirs}self_attn.{x}_proj.{sfx}"] for x in "qkv")
             if nkv == nh:
@@ -220,7 +220,7 @@ def to_hf(config: ModelConfig, state_dict):
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["head.weight"]
     nh, nkv = config.num_heads, config.num_kv_heads
     for i in range(config.num_layers):
-        theirs, ours = _layer_names(i)
+        ours, theirs = _layer_names(i)
         for sfx in _qkv_suffixes(config):
             if nkv == nh:
                 q, k, v = _split(sd[f"{ours}attn.qkv.{sfx}"], nh, 3)

@@ -179,7 +179,7 @@ def parse_args(argv, env=os.environ):
                                   mlp=MODELS[args.model]["mlp"])
         args.config.check_tp_size(args.tp)
         if "dtensor" in args.modes:
-            dtensor_tp.check_plan(args.config, args.tp)
+            dtensor_tp.check_transformer_plan(args.config, args.tp)
             if args.seq % args.tp:
                 raise ValueError(
                     f"sequence length {args.seq} is not divisible by the TP size {args.tp}: the "

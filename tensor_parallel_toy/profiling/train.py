@@ -61,7 +61,7 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None):
         model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap", seed=seed)
         model = model.to(device, dtype)
     elif mode == "dtensor":
-        model = dtensor_tp.parallelize(Transformer(config, seed=seed).to(device, dtype),
+        model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),
                                        group if mesh is None else mesh["tp"], device.type)
     elif mode == "hf_dtensor":  # wrapped with FSDP2 there, if 2-D: its layers have HF names
         return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh)
@@ -90,7 +90,7 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None, dp_group=
     the loss returned is this rank's share (its mean over DP is the whole batch's)."""
     with meter or contextlib.nullcontext():
         if mode == "dtensor":
-            loss = dtensor_tp.loss_and_backward(model, ids, labels)
+            loss = dtensor_tp.transformer_loss_and_backward(model, ids, labels)
         elif mode == "hf_dtensor":  # pads, and leaves the gradients reduced
             loss = hf_llama.loss_and_backward(model, ids, labels, dist.get_world_size(group))
         elif dp_group is not None:
@@ -106,7 +106,7 @@ def train_step(mode, model, optimizer, ids, labels, group, meter=None, dp_group=
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         norm = norm.full_tensor().item()
     elif mode in ("dtensor", "hf_dtensor"):
-        norm = dtensor_tp.grad_norm(model, group)
+        norm = dtensor_tp.placement_grad_norm(model, group)
     else:
         norm = grad_norm(model, None if mode == "baseline" else group)
     optimizer.step()

@@ -33,7 +33,7 @@ def _wrap(engine, kind, overlap, bf16):
         # model (below) must be what makes them equal.
         model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), overlap=overlap, seed=1)
     else:
-        model = dtensor_tp.parallelize(Transformer(CONFIG, seed=0), mesh["tp"])
+        model = dtensor_tp.parallelize_transformer(Transformer(CONFIG, seed=0), mesh["tp"])
     if engine == "ddp":
         wrapped = apply_ddp(model, mesh)
         return wrapped, wrapped.module
@@ -52,7 +52,7 @@ def _step(wrapped, model, kind, ids, labels):
         loss.backward()
         grads, norm = model.full_grads(), grad_norm(wrapped, tp_group)
     else:  # equal token counts on both halves: the mean of the two means is the batch mean
-        loss = dtensor_tp.loss_and_backward(wrapped, ids, labels)
+        loss = dtensor_tp.transformer_loss_and_backward(wrapped, ids, labels)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
     whole = all_reduce_(loss.detach().float().clone(), dp_group) / dist.get_world_size(dp_group)

@@ -34,7 +34,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     config = dataclasses.replace(CONFIG, num_kv_heads=kv_heads or CONFIG.num_heads)
     base = Transformer(config, seed=0)
-    model = dtensor_tp.parallelize(Transformer(config, seed=0), group)
+    model = dtensor_tp.parallelize_transformer(Transformer(config, seed=0), group)
     # SGD, not AdamW: see test_tp.py (AdamW amplifies round-off in near-zero gradients).
     opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     opt_dt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
@@ -45,7 +45,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
         ids, labels = fixed_batch(seed=step)
         loss_base = F.cross_entropy(base(ids).flatten(0, 1), labels.flatten())
         loss_base.backward()
-        loss_dt = dtensor_tp.loss_and_backward(model, ids, labels)
+        loss_dt = dtensor_tp.transformer_loss_and_backward(model, ids, labels)
         note("loss", max_rel_error(loss_dt, loss_base))
         for name, param in model.named_parameters():
             grad = param.grad
@@ -53,7 +53,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
                 want = _expected_local(base_params[name].grad, grad, rank, p)
                 trap[name] = min(trap.get(name, 1.0), max_rel_error(grad.to_local(), want))
         try:
-            dtensor_tp.grad_norm(model, group)
+            dtensor_tp.placement_grad_norm(model, group)
         except ValueError:
             raised.append(step)
         dtensor_tp.reduce_partial_grads(model)
@@ -63,7 +63,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
             note("local grad:" + name,
                  max_rel_error(grad.to_local(), _expected_local(want, grad, rank, p)))
         base_norm = torch.nn.utils.get_total_norm([q.grad for q in base.parameters()])
-        norm = torch.tensor(dtensor_tp.grad_norm(model, group))
+        norm = torch.tensor(dtensor_tp.placement_grad_norm(model, group))
         note("grad_norm", max_rel_error(norm, base_norm))
         opt_base.step(), opt_dt.step()
         opt_base.zero_grad(), opt_dt.zero_grad()
@@ -109,5 +109,5 @@ def test_dtensor_sequence_parallel_grads_are_partial_until_reduced(pools, tp):
 ])
 def test_dtensor_plan_refuses_what_it_cannot_express(change, words):
     with pytest.raises(ValueError) as info:
-        dtensor_tp.check_plan(dataclasses.replace(CONFIG, **change), 4)
+        dtensor_tp.check_transformer_plan(dataclasses.replace(CONFIG, **change), 4)
     assert all(w in str(info.value) for w in words), str(info.value)

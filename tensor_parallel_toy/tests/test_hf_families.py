@@ -252,7 +252,7 @@ def test_the_dtensor_plans_refuse_per_head_norms():
 
     config = dataclasses.replace(reference("qwen3")[0], mlp="gelu")
     with pytest.raises(ValueError, match=r"^qk_norm=True: [^\n]*partial"):
-        dtensor_tp.check_plan(config, 2)
+        dtensor_tp.check_transformer_plan(config, 2)
     with pytest.raises(ValueError, match=r"^model_type='qwen3': [^\n]*partial"):
         dtensor_tp.check_hf_plan(hf_model("qwen3").config, 2)
 
