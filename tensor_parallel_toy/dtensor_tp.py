@@ -108,7 +108,8 @@ def parallelize_transformer(model, tp, device_type="cpu"):
 def transformer_loss(model, input_ids, labels):
     """Mean cross-entropy on vocab-sharded logits: `loss_parallel` computes the softmax
     without gathering `[b, s, V]`. Backward must run inside the same context, so call
-    `.backward()` on the result within `loss_parallel()` too (see `transformer_loss_and_backward`)."""
+    `.backward()` on the result within `loss_parallel()` too (as
+    `transformer_loss_and_backward` does)."""
     logits = model(input_ids)  # DTensor [b, s, V], Shard(2)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 

@@ -34,7 +34,7 @@ from .batch import check_batch
 from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                    group_rank, group_size)
 from .config import ModelConfig, pad_sequence, padded_seq_len
-from .parallel_linear import column_linear, column_parallel_linear, row_linear
+from .parallel_linear import column_parallel_or_plain, column_parallel_linear, row_parallel_or_plain
 from .rotary import apply_rotary, rotary_tables
 from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
                        mark_tensor_parallel, named_layouts,
@@ -103,18 +103,18 @@ class Attention(nn.Module):
         self.grouped, self.window = nkv != nh, config.sliding_window
         bias = config.qkv_bias  # laid out like the weight's rows, so it is split the same way
         if not self.grouped:
-            self.qkv = column_linear(h, 3 * nh * hd, tp_group, overlap, bias)
+            self.qkv = column_parallel_or_plain(h, 3 * nh * hd, tp_group, overlap, bias)
         else:
             # Under TP only their weights are used (see _project); the baseline calls them.
-            self.q = column_linear(h, nh * hd, tp_group, overlap, bias)
+            self.q = column_parallel_or_plain(h, nh * hd, tp_group, overlap, bias)
             if nkv >= p:
-                self.kv = column_linear(h, 2 * nkv * hd, tp_group, overlap, bias)
+                self.kv = column_parallel_or_plain(h, 2 * nkv * hd, tp_group, overlap, bias)
                 self.kv_rows = None
             else:
                 self.kv = nn.Linear(h, 2 * nkv * hd, bias=bias)  # the same on every rank
                 head = group_rank(tp_group) // (p // nkv)
                 self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
-        self.proj = row_linear(nh * hd, h, tp_group, overlap)
+        self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
         mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
         # Replicated [hd] weights inside the TP region (each rank normalises only its own
         # heads): their gradients are partial sums over the heads, summed by the norm's `f`.
@@ -173,8 +173,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        self.fc1 = column_linear(config.hidden_size, config.ffn_hidden_size, tp_group, overlap)
-        self.fc2 = row_linear(config.ffn_hidden_size, config.hidden_size, tp_group, overlap)
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.fc1 = column_parallel_or_plain(h, f, tp_group, overlap)
+        self.fc2 = row_parallel_or_plain(f, h, tp_group, overlap)
         mark_init_std(self.fc2.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
@@ -197,7 +198,7 @@ class SwiGLU(nn.Module):
         self.tp_group, self.overlap = tp_group, overlap
         gate_up = nn.Parameter(torch.empty(2, f // p, h))  # drawn by reset_parameters
         self.gate_up = mark_tensor_parallel(gate_up, 1) if tp_group is not None else gate_up
-        self.down = row_linear(f, h, tp_group, overlap)
+        self.down = row_parallel_or_plain(f, h, tp_group, overlap)
         mark_init_std(self.down.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
@@ -260,7 +261,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
-        self.head = column_linear(config.hidden_size, config.vocab_size, tp_group, overlap)
+        self.head = column_parallel_or_plain(config.hidden_size, config.vocab_size, tp_group,
+                                             overlap)
         if config.tie_embeddings:
             # One Parameter, two uses: both gradients accumulate into it. Under TP the head
             # and the embedding split the same vocabulary rows, so the shards line up too.

@@ -360,7 +360,8 @@ class RowParallelLinear(_ParallelLinear):
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
 
 
-def column_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
+def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
+                             bias=False):
     """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear, for a
     model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
     if tp_group is None:
@@ -369,7 +370,8 @@ def column_linear(in_features, out_features, tp_group=None, overlap=False, bias=
                                 overlap=overlap, check_ranks=False)
 
 
-def row_linear(in_features, out_features, tp_group=None, overlap=False, bias=False):
+def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
+                          bias=False):
     """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear, for a
     model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
     if tp_group is None:
@@ -378,5 +380,5 @@ def row_linear(in_features, out_features, tp_group=None, overlap=False, bias=Fal
                              overlap=overlap, check_ranks=False)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_linear",
-           "column_parallel_linear", "row_linear", "row_parallel_linear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_or_plain",
+           "column_parallel_linear", "row_parallel_or_plain", "row_parallel_linear"]
