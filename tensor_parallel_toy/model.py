@@ -23,7 +23,6 @@ it, so logits, loss and gradients are those of the unpadded sequence.
 """
 import dataclasses
 import math
-import zlib
 
 import torch
 import torch.nn as nn
@@ -36,9 +35,9 @@ from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_r
 from .config import ModelConfig, pad_sequence, padded_seq_len
 from .parallel_linear import column_parallel_or_plain, column_parallel_linear, row_parallel_or_plain
 from .rotary import apply_rotary, rotary_tables
-from .sharding import (full_shape, gather_data_parallel, init_std, mark_init_std,
-                       mark_tensor_parallel, named_layouts,
-                       record_layouts, scatter_data_parallel, shard, unshard)
+from .sharding import (draw_full_weights_, full_shape, gather_data_parallel, mark_init_std,
+                       mark_tensor_parallel, named_layouts, record_layouts, scatter_data_parallel,
+                       shard, unshard)
 from .vocab_parallel import VocabParallelEmbedding, cross_entropy_of_shards
 
 
@@ -257,7 +256,7 @@ class Transformer(nn.Module):
             # ranks compare the whole model once, below, not each layer on its own
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                 tp_group=tp_group, check_ids=False,
-                                                check_ranks=False)
+                                                standalone=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
@@ -321,18 +320,9 @@ class Transformer(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     # Each works on the bare model and on one wrapped by fully_shard (whose parameters are then
     # split over the data-parallel ranks too) or DDP (call them on `ddp.module`).
-    @torch.no_grad()
     def reset_parameters(self, seed=0):
-        """Draw every *full* weight from its own generator (seeded by seed and name) and keep
-        this rank's shard: any TP size starts from exactly the baseline's weights."""
-        for name, param, layout in named_layouts(self):
-            std = init_std(layout)
-            if std is None:
-                continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(full_shape(param, self.tp_size, layout), generator=gen) * std
-            local = shard(full, param, self.tp_group, layout)
-            param.copy_(scatter_data_parallel(local.to(param.device, param.dtype), param))
+        """Draw every full weight once, each rank keeping its shard (`draw_full_weights_`)."""
+        draw_full_weights_(self, self.tp_group, seed)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict):

@@ -293,7 +293,7 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None, check_ranks=True):
+                 device=None, dtype=None, standalone=True):
         super().__init__()
         p = group_size(tp_group)
         check_divisible("out_features" if split_dim == 0 else "in_features",
@@ -310,11 +310,11 @@ class _ParallelLinear(nn.Module):
             self.bias = mark_tensor_parallel(
                 nn.Parameter(torch.zeros(n_bias, device=device, dtype=dtype)),
                 0 if split_dim == 0 else None)
-        # nn.Linear's default init of the *full* weight, of which this rank keeps its slice.
-        bound = 1 / math.sqrt(in_features)
-        init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
-                        tp_group)
-        if check_ranks:  # one tiny all-gather: every rank of the group built this same layer
+        if standalone:  # inside a model, the model draws its weights and compares its ranks, once
+            # nn.Linear's default init of the *full* weight, of which this rank keeps its slice.
+            bound = 1 / math.sqrt(in_features)
+            init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
+                            tp_group)
             check_ranks_agree(module_fingerprint(
                 self, layer=type(self).__name__, in_features=in_features,
                 out_features=out_features, tp_size=p, overlap=overlap), tp_group,
@@ -329,14 +329,16 @@ class ColumnParallelLinear(_ParallelLinear):
     """Input `[s/p, b, in]` (sequence shard) -> output `[s, b, out/p]` (feature shard).
 
     Weight shard `[out/p, in]` = rows r*out/p:(r+1)*out/p of the full weight; bias `[out/p]`.
-    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
-    layer (agreement.py), so a rank that built another one raises, on every rank.
+    `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
+    slice), and the ranks of tp_group compare a fingerprint of the layer (agreement.py), so a
+    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
+    model does both, once for all its layers.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None, check_ranks=True):
+                 device=None, dtype=None, standalone=True):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
-                         check_ranks)
+                         standalone)
 
     def forward(self, x):
         return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
@@ -347,14 +349,16 @@ class RowParallelLinear(_ParallelLinear):
 
     Weight shard `[out, in/p]` = columns r*in/p:(r+1)*in/p of the full weight; the bias `[out]`
     is replicated and added after the reduce-scatter (its gradient is summed over the group).
-    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
-    layer (agreement.py), so a rank that built another one raises, on every rank.
+    `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
+    slice), and the ranks of tp_group compare a fingerprint of the layer (agreement.py), so a
+    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
+    model does both, once for all its layers.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None, check_ranks=True):
+                 device=None, dtype=None, standalone=True):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype,
-                         check_ranks)
+                         standalone)
 
     def forward(self, x):
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
@@ -362,22 +366,24 @@ class RowParallelLinear(_ParallelLinear):
 
 def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
                              bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear, for a
-    model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear for a
+    model that draws its weights and checks its ranks agree as a whole (`Transformer` does,
+    once; a bare block: `sharding.draw_full_weights_`), not per layer."""
     if tp_group is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                overlap=overlap, check_ranks=False)
+                                overlap=overlap, standalone=False)
 
 
 def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
                           bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear, for a
-    model that checks its ranks agree as a whole (`Transformer` does, once), not per layer."""
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear for a
+    model that draws its weights and checks its ranks agree as a whole (`Transformer` does,
+    once; a bare block: `sharding.draw_full_weights_`), not per layer."""
     if tp_group is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                             overlap=overlap, check_ranks=False)
+                             overlap=overlap, standalone=False)
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_or_plain",

@@ -21,6 +21,7 @@ Parameter, and attributes on the old one are gone. They keep the modules and the
 names, so `record_layouts` copies the marks into a `Layout` per parameter, held by the module
 that owns it; `named_layouts` reads them back from a wrapped model or a bare one.
 """
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,24 @@ def named_layouts(model):
             seen.add(id(param))
             layout = recorded.get(name) or layout_of(param)
             yield (f"{prefix}.{name}" if prefix else name), param, layout
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisation: every full weight drawn once, each rank keeping its shard
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def draw_full_weights_(model, tp_group, seed=0):
+    """Draw every *full* weight of `model` from its own generator (seeded by seed and name)
+    and keep this rank's shard, so any TP size starts from exactly the baseline's weights.
+    A parameter whose init std is None (`mark_init_std`) keeps the values it was built with."""
+    for name, param, layout in named_layouts(model):
+        std = init_std(layout)
+        if std is None:
+            continue
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.randn(full_shape(param, group_size(tp_group), layout), generator=gen) * std
+        local = shard(full, param, tp_group, layout)
+        param.copy_(scatter_data_parallel(local.to(param.device, param.dtype), param))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,6 +208,6 @@ def grad_norm(model, tp_group=None):
 
 
 __all__ = ["Layout", "full_shape", "gather_data_parallel", "grad_norm", "init_from_full_",
-           "init_std", "layout_of", "mark_init_std",
+           "init_std", "layout_of", "draw_full_weights_", "mark_init_std",
            "mark_tensor_parallel", "named_layouts", "record_layouts", "scatter_data_parallel",
            "shard", "tensor_parallel_dim", "unshard"]

@@ -73,12 +73,14 @@ class VocabParallelEmbedding(nn.Module):
     all-gather gives every rank the gradient of all tokens, and the lookup's backward keeps
     those of its own vocabulary rows.
 
-    `check_ranks=True`: at construction the ranks of tp_group compare a fingerprint of the
-    table (agreement.py), so a rank that built another one raises, on every rank.
+    `standalone=True`: the full table is drawn as nn.Embedding draws it (this rank keeps its
+    rows), and the ranks of tp_group compare a fingerprint of the table (agreement.py), so a
+    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
+    model does both, once.
     """
 
     def __init__(self, num_embeddings, embedding_dim, *, tp_group, check_ids=None, device=None,
-                 dtype=None, check_ranks=True):
+                 dtype=None, standalone=True):
         super().__init__()
         p = group_size(tp_group)
         check_divisible("num_embeddings", num_embeddings, p)
@@ -87,8 +89,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
-        init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
-        if check_ranks:  # one tiny all-gather: every rank of the group built this same table
+        if standalone:  # inside a model, the model draws its weights and compares its ranks
+            init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
             check_ranks_agree(module_fingerprint(
                 self, num_embeddings=num_embeddings, embedding_dim=embedding_dim, tp_size=p,
                 check_ids=check_ids), tp_group, "VocabParallelEmbeddings")

@@ -34,6 +34,7 @@ from .. import comm
 from ..comm import barrier, reduce_numbers
 from ..initialize import current_device
 from ..model import TransformerBlock, rotary_tables
+from ..sharding import draw_full_weights_
 from .metrics import stamp
 from .metrics import summarize as distribution
 
@@ -164,8 +165,8 @@ def record(spec):
     modes = ("tp", "tp_overlap")
     blocks, inputs = {}, {}
     for mode in modes:
-        torch.manual_seed(spec.seed)
         blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        draw_full_weights_(blocks[mode], group, spec.seed)  # as the Transformer draws its own
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()
         for warm in range(2):  # warm-up, the first one recorded and thrown away: the first
