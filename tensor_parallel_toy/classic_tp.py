@@ -110,12 +110,15 @@ def _paths(declared):
 
 def _declared(block, name):
     """The block's `tp_column` / `tp_row` (or its older alias), None if it declares neither.
-    The class nearest the block's own in its MRO decides, as for any inherited attribute."""
+    Set on the block itself (for a model whose classes you cannot edit), it comes first; else
+    the class nearest the block's own in its MRO decides, as for any inherited attribute."""
     alias = DECLARATIONS[name]
-    for cls in type(block).__mro__:
-        value, old = cls.__dict__.get(name), cls.__dict__.get(alias)
+    holders = [(f"this {type(block).__name__}", vars(block))]
+    holders += [(cls.__name__, cls.__dict__) for cls in type(block).__mro__]
+    for who, attributes in holders:
+        value, old = attributes.get(name), attributes.get(alias)
         if value is not None and old is not None and _paths(value) != _paths(old):
-            raise ValueError(f"{cls.__name__} declares {name}={value!r} and {alias}={old!r}; "
+            raise ValueError(f"{who} declares {name}={value!r} and {alias}={old!r}; "
                              f"keep one ({alias} is the older name of {name})")
         if value is not None or old is not None:
             return value if value is not None else old

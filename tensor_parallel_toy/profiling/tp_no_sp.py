@@ -8,9 +8,9 @@ one training step (`train.train_step`) with the meters of the training modes: ac
 for backward, parameters, gradients, optimizer state. It is not a training mode and is not
 timed.
 
-The model's Attention and MLP do not declare their column and row layers (under SP they are
-built parallel from the start), so each block's two are given, here, a subclass that only adds
-the declarations. The same step of the baseline runs beside it, on the same batch and weights:
+The model's Attention and MLP classes do not declare their column and row layers (under SP
+they are built parallel from the start), so each block's two are declared here, on the
+modules themselves. The same step of the baseline runs beside it, on the same batch and weights:
 its loss must come out the same, or this would not be the same model split another way.
 
 Per rank, with classic TP over p ranks (s, b: the batch; h, f: hidden and MLP sizes; V: the
@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from ..classic_tp import apply_tensor_parallel
 from ..initialize import current_device
-from ..model import MLP, Attention
 from . import data
 from .metrics import SavedActivationBytes
 from .train import build_model, make_optimizer, train_step
@@ -35,18 +34,6 @@ from .train import build_model, make_optimizer, train_step
 # The loss of the one step may differ from the baseline's by round-off only (the all-reduce
 # adds the ranks' partial sums in another order); anything larger is a different model.
 SAME_LOSS_TOL = {"fp32": 1e-5, "bf16": 5e-3}
-
-
-class _DeclaredAttention(Attention):
-    tp_column, tp_row = "qkv", "proj"  # qkv's rows are laid out head by head: whole heads
-
-
-class _DeclaredGroupedAttention(Attention):
-    tp_column, tp_row = ("q", "kv"), "proj"  # kv's rows: whole k/v heads, num_kv_heads % p == 0
-
-
-class _DeclaredMLP(MLP):
-    tp_column, tp_row = "fc1", "fc2"
 
 
 def unsupported(config, p):
@@ -64,9 +51,11 @@ def classic_tp_model(model, tp_group):
     """The baseline `model`, its blocks' attention and MLP converted in place by
     `apply_tensor_parallel`; the embedding, the norms and the head stay whole (replicated)."""
     for block in model.layers:
-        grouped = block.attn.grouped
-        block.attn.__class__ = _DeclaredGroupedAttention if grouped else _DeclaredAttention
-        block.mlp.__class__ = _DeclaredMLP
+        # qkv's rows are laid out head by head, kv's k/v head by k/v head: row shards hold
+        # whole heads (with num_kv_heads % p == 0, see `unsupported`).
+        block.attn.tp_column = ("q", "kv") if block.attn.grouped else "qkv"
+        block.attn.tp_row = "proj"
+        block.mlp.tp_column, block.mlp.tp_row = "fc1", "fc2"
     return apply_tensor_parallel(model, tp_group)
 
 

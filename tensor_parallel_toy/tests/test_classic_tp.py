@@ -185,3 +185,22 @@ def test_a_subclass_declaration_overrides_its_base_whichever_name_each_uses():
     kinds = {name: type(getattr(model[0], name)).__name__ for name in "abc"}
     assert isinstance(model[0].b, ClassicColumnParallel), kinds
     assert isinstance(model[0].a, nn.Linear), kinds
+
+
+def test_a_declaration_on_the_module_itself_comes_before_its_class():
+    """A model whose classes cannot be edited is declared on its modules. Group of one."""
+    from tensor_parallel_toy.classic_tp import ClassicColumnParallel, ClassicRowParallel
+
+    class Block(nn.Module):
+        tp_column, tp_row = "a", "c"
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 4)
+
+    declared, plain = Block(), Block()
+    declared.tp_column = "b"  # this one module only
+    model = apply_tensor_parallel(nn.Sequential(declared, plain), None)
+    assert isinstance(model[0].b, ClassicColumnParallel) and isinstance(model[0].a, nn.Linear)
+    assert isinstance(model[1].a, ClassicColumnParallel) and isinstance(model[1].b, nn.Linear)
+    assert isinstance(model[0].c, ClassicRowParallel) and isinstance(model[1].c, ClassicRowParallel)
