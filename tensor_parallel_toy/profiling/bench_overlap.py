@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ..comm import barrier, reduce_numbers
 from ..initialize import current_device
 from ..parallel_linear import column_parallel_linear, row_parallel_linear
-from ..ring import Ring, ring_reduce_scatter
+from ..ring import Ring, ring_all_gather, ring_reduce_scatter
 from .metrics import DeviceTimer
 from .metrics import summarize as distribution
 
@@ -79,12 +79,15 @@ def _backward(op, x, w, dy, group):
 
 
 def _ring_gather_into(full, ring, n):
-    """Ring all-gather straight into the slices of `full` ([s, ...], this rank's rows filled),
-    the same p-1 transfers the overlapped Function makes, with nothing to compute under them."""
-    r, p = ring.rank, ring.size
-    for k in range(p - 1):
-        have, get = (r - k) % p, (r - k - 1) % p
-        ring.shift(send=full[have * n:(have + 1) * n], recv=full[get * n:(get + 1) * n]).wait()
+    """ring.py's all-gather into the slices of `full` ([s, ...], this rank's rows filled): the
+    p-1 transfers the overlapped Function makes, with nothing computed under them but the copy
+    of each arriving chunk into its place."""
+    r = ring.rank
+
+    def place(c, chunk):
+        if c != r:
+            full[c * n:(c + 1) * n].copy_(chunk)
+    ring_all_gather(full[r * n:(r + 1) * n], place, ring)
 
 
 class _Op:
