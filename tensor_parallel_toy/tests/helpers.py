@@ -10,7 +10,8 @@ Tolerance policy (tests/README.md):
 - fp32: <= 1e-5, for one layer and for the whole model along three SGD steps. TP changes only
   the order of additions.
 - bf16: the TP result and the single-device bf16 result are both compared with an fp64 (layers)
-  or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus 1e-2.
+  or fp32 (model) reference; TP may be at most 2x worse than single-device bf16, plus one bf16
+  rounding step (2^-8).
 A sharding bug gives errors of order 1 in either dtype.
 """
 import os
@@ -88,14 +89,21 @@ def assert_errors(per_rank, tol, what):
     return worst
 
 
+BF16_EPS = 2.0 ** -8  # bf16's relative rounding step: one rounding may cost this much
+
+
 def assert_bf16(per_rank, what):
-    """Each rank returns {key: (tp_error, single_device_error)} against the same reference."""
+    """Each rank returns {key: (tp_error, single_device_error)} against the same reference.
+    TP may be at most twice as far from it as the same computation on one device in bf16, plus
+    one bf16 rounding step (where the single-device error is near zero, summing in another
+    order may still cost a rounding)."""
     bad = []
     for errors in per_rank:
         for key, (tp_err, base_err) in errors.items():
-            if not tp_err <= 2 * base_err + 1e-2:
+            allowed = 2 * base_err + BF16_EPS
+            if not tp_err <= allowed:
                 bad.append(f"{key}: TP bf16 error {tp_err:.3g} vs single-device bf16 "
-                           f"{base_err:.3g} (allowed {2 * base_err + 1e-2:.3g})")
+                           f"{base_err:.3g} (allowed {allowed:.3g})")
     assert not bad, f"{what}: " + "; ".join(bad)
 
 

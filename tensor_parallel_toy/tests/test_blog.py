@@ -53,9 +53,41 @@ def _posts():
     return texts
 
 
-def test_blog_posts_have_tagged_excerpts():
+def _package_lines():
+    """Every stripped, non-trivial line of the package's Python files."""
+    lines = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "tensor_parallel_toy")):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f), encoding="utf-8") as src:
+                    lines.update(line.strip() for line in src if len(line.strip()) > 20)
+    return lines
+
+
+def test_code_quoted_from_the_package_is_tagged_so_its_drift_is_caught():
+    """A Python block whose lines are the package's must carry an excerpt tag (an untagged
+    quote would drift silently); blocks written for the post may stay untagged."""
+    package = _package_lines()
     for name, text in _posts().items():
-        assert parse_excerpts(text), f"{name} has no tagged code excerpts"
+        tagged = {line for line, _, _ in parse_excerpts(text)}
+        lines, untagged_quotes = text.splitlines(), []
+        for i, line in enumerate(lines):
+            if line.strip() != "```python":
+                continue
+            previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            if "excerpt:" in previous:
+                continue
+            block = []
+            for body in lines[i + 1:]:
+                if body.strip().startswith("```"):
+                    break
+                block.append(body.strip())
+            quoted = [b for b in block if b in package]
+            if len(quoted) >= 3:
+                untagged_quotes.append((i + 1, quoted[0]))
+        assert tagged, f"{name} has no tagged code excerpts"
+        assert not untagged_quotes, (f"{name}: blocks quoting the package without an excerpt "
+                                     f"tag (line, first quoted line): {untagged_quotes}")
 
 
 def test_blog_excerpts_are_verbatim_from_the_package():
