@@ -107,6 +107,16 @@ def assert_bf16(per_rank, what):
     assert not bad, f"{what}: " + "; ".join(bad)
 
 
+def assert_one_line(message, words, what):
+    """An error message is the package's kind: there at all, one line, naming each of `words`
+    (the bad value, what would be valid). Fails printing the message."""
+    assert message is not None, f"{what}: no error raised"
+    missing = [w for w in words if w not in message]
+    assert "\n" not in message and not missing, (
+        f"{what}: {message!r} " + (f"does not mention {missing}" if missing else
+                                   "is not one line"))
+
+
 def value_error_messages(cases):
     """{key: the one-line ValueError message of calling `cases[key]()`, or None if it did not
     raise}, then a barrier: every rank got past every case, so none was left in a collective.

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy import ModelConfig, Transformer
 
-from .helpers import assert_matches_baseline, compare_on_world, max_rel_error
+from .helpers import assert_matches_baseline, assert_one_line, compare_on_world, max_rel_error
 
 # 12 query heads of head_dim 4: divisible by TP 2, 3 and 4.
 BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12, ffn_hidden_size=96,
@@ -70,9 +70,8 @@ def _on_rank_bad_kv_heads(num_kv_heads):
 def test_kv_heads_that_do_not_fit_the_tp_size_raise_one_clear_error(pools, num_kv_heads, tp):
     messages = pools(tp).run(_on_rank_bad_kv_heads, num_kv_heads)
     for msg in messages:
-        assert msg is not None, f"num_kv_heads={num_kv_heads} at tp={tp}: no error raised"
-        assert "\n" not in msg and f"num_kv_heads={num_kv_heads}" in msg \
-            and f"size {tp}" in msg, msg
+        assert_one_line(msg, [f"num_kv_heads={num_kv_heads}", f"size {tp}"],
+                        f"num_kv_heads={num_kv_heads} at tp={tp}")
 
 
 def test_num_heads_not_divisible_by_kv_heads_is_refused_by_the_config():

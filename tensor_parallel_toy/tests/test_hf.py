@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.hf_checkpoint import config_from_hf
 
-from .helpers import MODEL_FP32_TOL, assert_errors, max_rel_error, random_batch
+from .helpers import MODEL_FP32_TOL, assert_errors, assert_one_line, max_rel_error, random_batch
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -144,8 +144,7 @@ def test_what_the_model_cannot_express_is_refused_naming_the_field(family, field
     setattr(config, field, value)
     with pytest.raises(ValueError) as info:
         config_from_hf(config)
-    msg = str(info.value)
-    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert_one_line(str(info.value), words, f"{field}={value!r}")
 
 
 def test_sliding_windows_convert_as_transformers_applies_them():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.config import RopeScaling
 
-from .helpers import assert_matches_baseline, compare_on_world, max_rel_error
+from .helpers import assert_matches_baseline, assert_one_line, compare_on_world, max_rel_error
 
 # 12 query heads of head_dim 4, ffn 96: divisible by TP 2 and 4.
 LLAMA = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
@@ -79,8 +79,7 @@ def test_qkv_bias_is_applied_and_trained():
 def test_bad_llama_options_raise_one_line_naming_the_field(change, words):
     with pytest.raises(ValueError) as info:
         dataclasses.replace(LLAMA, **change)
-    msg = str(info.value)
-    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert_one_line(str(info.value), words, str(change))
 
 
 @pytest.mark.parametrize("args, words", [
@@ -92,5 +91,4 @@ def test_bad_llama_options_raise_one_line_naming_the_field(change, words):
 def test_bad_rope_scaling_raises_one_line_naming_the_field(args, words):
     with pytest.raises(ValueError) as info:
         RopeScaling(*args)
-    msg = str(info.value)
-    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert_one_line(str(info.value), words, str(args))
