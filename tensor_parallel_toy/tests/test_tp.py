@@ -16,11 +16,10 @@ from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelL
                                  column_parallel_linear, row_parallel_linear)
 from tensor_parallel_toy.initialize import current_device
 from tensor_parallel_toy.ring import ring_all_gather, ring_reduce_scatter
-from tensor_parallel_toy.sharding import grad_norm
 
-from .helpers import (BACKENDS, BATCH, CONFIG, DTYPES, FP32_TOL, MODEL_FP32_TOL, SEQ,
-                      assert_bf16, assert_errors, assert_one_line, fixed_batch, max_rel_error,
-                      world)
+from .helpers import (BACKENDS, BATCH, CONFIG, DTYPES, FP32_TOL, SEQ, assert_bf16,
+                      assert_errors, assert_matches_baseline, assert_one_line, compare_on_world,
+                      fixed_batch, max_rel_error, world)
 
 # ----------------------------------------------------------------------------------------------
 # Worker side
@@ -136,40 +135,16 @@ def _on_rank_check_linear_on_subgroups(groups):
 
 
 def _on_rank_check_model(overlap, steps):
-    """Baseline vs TP with the same weights: logits, loss, every full gradient, the grad norm
-    and the parameters themselves, along `steps` SGD steps (AdamW would turn round-off in
-    gradients near its eps into large parameter differences, whatever the parallelism)."""
-    group, _, _ = world()
+    """Baseline vs TP from the same seed along `steps` SGD steps (helpers.compare_with_baseline:
+    logits, loss, every full gradient, the grad norm, the parameters), and a TP model loaded
+    from the baseline's state dict, which must hold exactly its weights."""
+    errors = compare_on_world(CONFIG, overlap=overlap, steps=steps)
     dev = current_device()
     base = Transformer(CONFIG, seed=0).to(dev)
-    tp = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=0).to(dev)
-    errors = {"init:" + k: max_rel_error(v, base.state_dict()[k])
-              for k, v in tp.full_state_dict().items()}
-    loaded = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=99).to(dev)
+    loaded = Transformer(CONFIG, tp_group=world()[0], overlap=overlap, seed=99).to(dev)
     loaded.load_full_state_dict(base.state_dict())
     errors.update({"load:" + k: max_rel_error(v, base.state_dict()[k])
                    for k, v in loaded.full_state_dict().items()})
-    opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
-    for step in range(steps):
-        ids, labels = fixed_batch(seed=step)
-        logits_base = base(ids)
-        loss_base = F.cross_entropy(logits_base.flatten(0, 1), labels.flatten())
-        loss_base.backward()
-        logits_tp = tp(ids)
-        loss_tp = tp.loss(ids, labels)
-        loss_tp.backward()
-        note("logits", max_rel_error(logits_tp, logits_base))
-        note("loss", max_rel_error(loss_tp, loss_base))
-        for name, grad in tp.full_grads().items():
-            note("grad:" + name, max_rel_error(grad, dict(base.named_parameters())[name].grad))
-        base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
-        note("grad_norm", max_rel_error(torch.tensor(grad_norm(tp, group)), base_norm))
-        opt_base.step(), opt_tp.step()
-        opt_base.zero_grad(), opt_tp.zero_grad()
-    for name, value in tp.full_state_dict().items():
-        note("param:" + name, max_rel_error(value, base.state_dict()[name]))
     return errors
 
 
@@ -318,10 +293,8 @@ def test_overlapped_layers_are_exact_with_multi_megabyte_ring_steps(pools, backe
 @pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap, backend):
-    worst = assert_errors(pools(tp, backend).run(_on_rank_check_model, overlap, 3), MODEL_FP32_TOL,
-                           f"model tp={tp} overlap={overlap}")
-    grads = [k for k in worst if k.startswith("grad:")]
-    assert len(grads) == len(dict(Transformer(CONFIG).named_parameters())), grads
+    assert_matches_baseline(pools(tp, backend).run(_on_rank_check_model, overlap, 3), CONFIG,
+                            f"model tp={tp} overlap={overlap}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
