@@ -35,7 +35,7 @@ def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
     config = dataclasses.replace(CONFIG, num_kv_heads=kv_heads or CONFIG.num_heads)
     base = Transformer(config, seed=0)
     model = dtensor_tp.parallelize_transformer(Transformer(config, seed=0), group)
-    # SGD, not AdamW: see test_tp.py (AdamW amplifies round-off in near-zero gradients).
+    # SGD, not AdamW: see helpers.compare_with_baseline (AdamW amplifies round-off in near-zero gradients).
     opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     opt_dt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     base_params = dict(base.named_parameters())
