@@ -76,6 +76,11 @@ def _target(name, measured, met, short_by, reason=None, note=None, interval=None
             "short_by": short_by, "reason": None if met else reason, "note": note}
 
 
+def _saves(ms):
+    """A time difference with the sign in the verb: 'saves 0.42 ms' or 'costs 0.26 ms'."""
+    return f"{'saves' if ms >= 0 else 'costs'} {abs(ms):.2f} ms"
+
+
 def _overlap_gain_note(bench):
     """Where tp_overlap's per-op gain over tp comes from, summed over the four ops:
     the transport (gloo collectives -> ring P2P) and the overlap itself."""
@@ -83,8 +88,26 @@ def _overlap_gain_note(bench):
     transport = sum(o["t_basic_ms"] - o["t_seq_ms"] for o in ops)
     overlap = sum(o["t_seq_ms"] - o["t_overlap_ms"] for o in ops)
     return (f"per-op benchmark, summed over the four ops: replacing gloo's collectives by the "
-            f"ring's P2P transfers (basic -> sequential) saves {transport:.2f} ms, overlapping "
-            f"them with the GEMMs (sequential -> overlapped) saves {overlap:.2f} ms")
+            f"ring's P2P transfers (basic -> sequential) {_saves(transport)}, overlapping "
+            f"them with the GEMMs (sequential -> overlapped) {_saves(overlap)}")
+
+
+def _hidden_note(op):
+    """The overlapped op against the sequential run and against its parts alone, in ms saved
+    or lost, then as the share of min(comm, GEMM) hidden (negative when overlap cost time)."""
+    seq, parts, t = op["t_seq_ms"], op["t_comm_ms"] + op["t_gemm_ms"], op["t_overlap_ms"]
+    second = _saves(parts - t)
+    if (seq >= t) == (parts >= t):  # one verb for both
+        second = second.split(" ", 1)[1]
+    note = (f"the overlapped op ({t:.2f} ms) {_saves(seq - t)} against the sequential run "
+            f"({seq:.2f} ms) and {second} against comm + GEMM alone ({parts:.2f} ms): hidden {op['hidden']:.0%} and {op['hidden_vs_parts']:.0%} of min(comm, GEMM)"
+            + (", negative: overlap cost time" if min(op["hidden"], op["hidden_vs_parts"]) < 0
+               else ""))
+    blocks = op.get("overlap_over_max_blocks")
+    if blocks is None:  # results written before the spread over blocks was measured
+        return note
+    return (f"per block of {blocks['rounds_per_block']} rounds: {_fmt_spread(blocks)} "
+            f"(median [p10-p90] of {blocks['n']}); " + note)
 
 
 def evaluate_targets(results):
@@ -108,12 +131,7 @@ def evaluate_targets(results):
                     f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU, "
                     f"{op['comm_cpu_posting_thread_ms']:.2f} ms of it in the posting thread, "
                     f"the rest on a core that also runs a rank's GEMM")
-        blocks = op["overlap_over_max_blocks"]
-        note = (f"per block of {blocks['rounds_per_block']} rounds: {_fmt_spread(blocks)} "
-                f"(median [p10-p90] of {blocks['n']}); "
-                f"hidden {op['hidden']:.0%} of the hideable time against the sequential run "
-                f"({op['t_seq_ms']:.2f} ms), {op['hidden_vs_parts']:.0%} against comm + GEMM "
-                f"alone ({op['t_comm_ms'] + op['t_gemm_ms']:.2f} ms)")
+        note = _hidden_note(op)
         if gpu:
             why += ("; on a GPU NCCL's kernels take SMs and memory bandwidth from the GEMM they "
                     "run beside, so the overlapped GEMM is slower than the GEMM alone")
@@ -211,6 +229,15 @@ def link_label(meta):
     return f"link {link['rate']}" + (f", {measured / 1e9:.2f} Gbit/s measured" if measured else "")
 
 
+def _threads(n):
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _hidden(share):
+    """A share of min(comm, GEMM) hidden, its sign spelled out when overlap cost time."""
+    return f"{share:.0%}" + (" (cost time)" if share < 0 else "")
+
+
 def _fmt_ms(seconds):
     return f"{seconds * 1e3:.1f}"
 
@@ -223,12 +250,17 @@ def _fmt_spread(d, digits=2):
 def _blocks_lines(bench):
     """The overlap benchmark's ratios over blocks of rounds, one line per op."""
     first = next(iter(bench["ops"].values()))["overlap_over_max_blocks"]
-    lines = [f"op time / max(comm alone, gemm alone) per block of {first['rounds_per_block']} "
-             f"rounds, {first['n']} blocks, median [p10-p90]:",
-             f"{'op':<36}{'overlapped':>20}{'basic':>20}"]
+    k = first["rounds_per_block"]
+    lines = [f"op time / max(comm alone, gemm alone) per block of {k} rounds, {first['n']} "
+             f"blocks, median [p10-p90]:",
+             f"{'op':<36}{'overlapped':>20}{'basic':>20}{'nothing hidden':>16}"]
     for row in bench["ops"].values():
+        nothing = (row["t_comm_ms"] + row["t_gemm_ms"]) / max(row["t_comm_ms"], row["t_gemm_ms"])
         lines.append(f"{row['label']:<36}{_fmt_spread(row['overlap_over_max_blocks']):>20}"
-                     f"{_fmt_spread(row['basic_over_max_blocks']):>20}")
+                     f"{_fmt_spread(row['basic_over_max_blocks']):>20}{nothing:>16.2f}")
+    lines.append(f"  legend: 1.00 = the limit, all of the shorter part hidden; nothing hidden = "
+                 f"(comm + gemm) / max(comm, gemm); a block can come out below 1.00 because its "
+                 f"own comm and gemm alone are medians of {k} noisy rounds too")
     return lines
 
 
@@ -252,6 +284,10 @@ def _timeline_lines(tl, gpu=False):
         lines.append(f"  {mode:<11} total {_fmt_spread(over['total_ms'], 1)}, {blocked} "
                      f"{_fmt_spread(over['blocked_in_comm_ms'], 1)}{posting}, min-max total "
                      f"{over['total_ms']['min']:.1f}-{over['total_ms']['max']:.1f}{nccl}")
+    lines.append("  legend: total = the block's forward + backward; " + (
+        "compute stream stalled at waits = time the compute stream waited for communication"
+        if gpu else "blocked in comm = time the host sat waiting for a transfer; posting = "
+        "time the host spent starting transfers"))
     return lines
 
 
@@ -278,7 +314,8 @@ def summary_text(results):
     lines = [
         f"tensor_parallel_toy profile: {grid} over {meta['backend']} on "
         f"{meta['device']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores, "
-        f"{meta['threads_per_rank']} thread(s) per TP rank, baseline {meta['baseline_threads']}",
+        f"{_threads(meta['threads_per_rank'])} per TP rank, baseline (one process, no "
+        f"parallelism) on {_threads(meta['baseline_threads'])}",
         f"model: {'Llama (SwiGLU MLP), ' if run.get('model') == 'llama' else ''}"
         f"hidden {model['hidden_size']}, {model['num_layers']} layers, "
         f"{model['num_heads']} heads, ffn {model['ffn_hidden_size']}, vocab {model['vocab_size']}"
@@ -319,34 +356,49 @@ def summary_text(results):
         lines.append(f"{mode:<11}{losses:>17}{(f'{max(dloss):.1e}' if dloss else '-'):>15}"
                      f"{d['grad_norm'][-1]:>11.4f}{(f'{max(dnorm):.1e}' if dnorm else '-'):>15}"
                      f"{step:>27}{d['tokens_per_s']:>10.0f}{memory:>33}")
+    lines.append("  legend: loss at step 0 and at the last step, grad norm at the last step; max "
+                 "rel dloss, dnorm = the largest |mode - baseline| / baseline over the steps; "
+                 "step ms = one training step of the slowest rank, after warm-up; MiB/rank = "
+                 "activations saved for backward + weights, gradients and AdamW state, on the "
+                 "largest rank")
     if results.get("memory_tp_no_sp"):
         lines += ["", _tp_no_sp_line(results["memory_tp_no_sp"], results["modes"])]
     if results.get("ratios"):
-        lines += ["", "step-time ratios, median of paired interleaved steps [bootstrap 95% "
-                      "interval]: " + ", ".join(f"{k} {_fmt_ratio(r)}"
+        lines += ["", "step-time ratios a/b (below 1: a is faster), median of paired interleaved "
+                      "steps [bootstrap 95% interval]: " + ", ".join(f"{k} {_fmt_ratio(r)}"
                                                 for k, r in results["ratios"].items())]
     bench = results.get("overlap_benchmark")
     if bench:
         sh = bench["shape"]
-        lines += ["", f"per-op overlap benchmark (median of slowest rank, ms): s={sh['s']} "
+        lines += ["", f"per-op overlap benchmark, each op of one MLP timed alone (ms, median "
+                      f"over rounds of the slowest rank): s={sh['s']} "
                       f"b={sh['b']} h={sh['h']} m={sh['f']} p={sh['p']} {sh['dtype']}"
                       + (" (MLP size m calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else ""),
                   f"{'op':<36}{'comm':>7}{'gemm':>7}{'seq':>7}{'overlap':>8}{'basic':>7}"
-                  f"{'hidden':>8}{'vs parts':>9}{'ovl/max':>8}{'ceiling: schedule':>19}"
-                  f"{'cpu':>6}"]
+                  f"{'hidden vs seq':>19}{'hidden vs parts':>19}{'overlap/max':>13}"
+                  f"{'ceiling: schedule':>19}{'cpu':>6}"]
         for row in bench["ops"].values():
             cpu = f"{row['cpu_ceiling']:.0%}" if "cpu_ceiling" in row else "-"
             lines.append(f"{row['label']:<36}{row['t_comm_ms']:>7.2f}{row['t_gemm_ms']:>7.2f}"
                          f"{row['t_seq_ms']:>7.2f}{row['t_overlap_ms']:>8.2f}"
-                         f"{row['t_basic_ms']:>7.2f}{row['hidden']:>8.0%}"
-                         f"{row['hidden_vs_parts']:>9.0%}{row['overlap_over_max']:>8.2f}"
+                         f"{row['t_basic_ms']:>7.2f}{_hidden(row['hidden']):>19}"
+                         f"{_hidden(row['hidden_vs_parts']):>19}{row['overlap_over_max']:>13.2f}"
                          f"{row['schedule_ceiling']:>19.0%}{cpu:>6}")
+        lines.append("  legend: comm, gemm = the transfers alone, the GEMMs alone; seq = the two "
+                     "one after the other; overlap, basic = the package's layer with overlap="
+                     "True (rings), False (whole collectives); hidden = time saved against seq "
+                     "(or comm + gemm) as a share of min(comm, gemm): 100% = all of the shorter "
+                     "part hidden, negative = overlap cost time; overlap/max = overlap / "
+                     "max(comm, gemm), 1.00 at the limit; ceiling = the most a perfect p-chunk "
+                     "ring (schedule) or a transfer's own CPU time (cpu) leaves hideable")
         if all("overlap_over_max_blocks" in row for row in bench["ops"].values()):
             lines += [""] + _blocks_lines(bench)
     tl = results.get("timeline")
     if tl:
         lines += [""] + _timeline_lines(tl, meta["device"] == "cuda")
-    lines += ["", "targets:"]
+    lines += ["", "targets (met: the measured value, or its whole 95% interval, is on the right "
+                  "side of the bound; MISSED: it is not, short by how much; n/a: this run cannot "
+                  "decide):"]
     for t in results["targets"]:
         status = {True: "met   ", False: "MISSED", None: "n/a   "}[t["met"]]
         line = f"  [{status}] {t['name']}: {t['measured']:.3g}"
