@@ -209,3 +209,19 @@ def test_summary_txt_is_the_committed_results_json():
                 results = json.load(f)
             with open(os.path.join(BLOG, folder, "summary.txt"), encoding="utf-8") as f:
                 assert f.read() == report.summary_text(results), f"{folder}/summary.txt"
+
+
+def test_targets_in_results_json_are_what_their_numbers_give_today():
+    """The targets' texts are stored in results.json; when their wording changes, the committed
+    files must be re-rendered (their numbers kept) so that summary.txt prints the new one."""
+    import json
+
+    from tensor_parallel_toy.profiling import report
+
+    for folder in ("results", "llama", "2d"):
+        path = os.path.join(BLOG, folder, "results.json")
+        if folder == "results" or os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                results = json.load(f)
+            for stored, fresh in zip(results["targets"], report.evaluate_targets(results)):
+                assert stored == fresh, f"{folder}/results.json: {stored} != {fresh}"

@@ -5,9 +5,14 @@ The summaries are fed made-up per-rank numbers whose answer is known (so a ratio
 or a single round passed off as a block's, or the faster rank taken for the slower, fails
 here); the plots are fed small synthetic results.
 """
+import copy
+import json
+import os
+import re
+
 import pytest
 
-from tensor_parallel_toy.profiling import bench_overlap, plots, timeline
+from tensor_parallel_toy.profiling import bench_overlap, plots, report, timeline
 
 KEYS = ("median", "p10", "p90", "min", "max", "n", "values")
 
@@ -141,3 +146,102 @@ def test_plots_draw_the_distributions_and_the_tp_no_sp_bar_from_synthetic_result
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{n}.png" for n in ("overlap", "timeline", "timeline_plain", "memory",
                              "memory_plain")), "temporary files left behind"
+
+
+def _overlap_figure(monkeypatch, bench):
+    """plot_overlap's figure, kept open instead of saved, drawn so that extents are known."""
+    kept = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: kept.append(fig))
+    plots.plot_overlap(bench, "unused.png", "loopback")
+    fig = kept[0]
+    fig.canvas.draw()
+    return fig
+
+
+def test_overlap_figure_says_why_a_block_can_fall_below_its_limit_line(monkeypatch):
+    """A block below 1.0 must not read as an op faster than possible: the line at 1.0 is
+    labelled the limit for exact times, the region under it is shaded and its legend entry
+    names the noise of the limit's own measurement; the legend lies outside the data."""
+    row = {"label": "AG+GEMM, column forward", "t_comm_ms": 1.0, "t_gemm_ms": 2.0,
+           "overlap_over_max_blocks": {**_dist([0.8, 1.2, 1.4]), "rounds_per_block": 5},
+           "basic_over_max_blocks": {**_dist([1.5, 1.6, 1.9]), "rounds_per_block": 5}}
+    bench = {"shape": {"s": 8, "b": 2, "h": 16, "f": 32, "p": 2}, "ops": {"column_fwd": row}}
+    fig = _overlap_figure(monkeypatch, bench)
+    ax = fig.axes[0]
+    labels = {text.get_text(): handle for handle, text in
+              zip(ax.get_legend().legend_handles, ax.get_legend().get_texts())}
+    limit = [t for t in labels if t.startswith("1.0")]
+    assert len(limit) == 1 and "exact" in limit[0] and "physical limit" not in limit[0], labels
+    below = [t for t in labels if t.startswith("below 1.0")]
+    assert len(below) == 1 and "noise" in below[0] and "5 rounds" in below[0], labels
+    shaded = [p for p in ax.patches if p.get_label() == below[0]]
+    assert shaded, "no shaded region carries the below-1.0 label"
+    span = shaded[0]  # y in data coordinates, x across the axes
+    ys = span.get_path().transformed(span.get_patch_transform()).vertices[:, 1]
+    assert (min(ys), max(ys)) == (pytest.approx(0), pytest.approx(1.0)), ys
+    nothing = [line for line in ax.get_lines() if "nothing hidden" in line.get_label()]
+    assert nothing and nothing[0].get_ydata()[0] == pytest.approx(1.5), \
+        "nothing hidden is (comm + GEMM) / max = 3 / 2"
+    legend_box = ax.get_legend().get_window_extent()
+    axes_box = ax.get_window_extent()
+    assert not legend_box.overlaps(axes_box), (legend_box, axes_box)
+
+
+BLOG_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "blog", "results", "results.json")
+
+
+def _results(**meta):
+    """The committed default run's results, with `meta` changed."""
+    with open(BLOG_RESULTS, encoding="utf-8") as f:
+        results = json.load(f)
+    results["meta"].update(meta)
+    return results
+
+
+@pytest.mark.parametrize("threads, words", [(2, "baseline (one process, no parallelism) on 2 "
+                                                "threads"),
+                                           (1, "baseline (one process, no parallelism) on 1 "
+                                               "thread")])
+def test_summary_header_says_what_each_number_counts(threads, words):
+    header = report.summary_text(_results(baseline_threads=threads)).splitlines()[0]
+    assert words in header and "1 thread per TP rank" in header, header
+    assert not re.search(r"baseline \d", header), header
+
+
+def _tables(text):
+    """{first word of a table's column header: [the lines after it up to a blank line]}."""
+    lines, tables = text.splitlines(), {}
+    for i, line in enumerate(lines):
+        if re.match(r"(mode|op) {2,}", line) or line.startswith("timeline, one block"):
+            end = lines.index("", i)
+            tables.setdefault(line.split()[0], []).append(lines[i + 1:end])
+    return tables
+
+
+def test_every_table_of_the_summary_ends_with_a_one_line_legend():
+    tables = _tables(report.summary_text(_results()))
+    found = [(name, body) for name, bodies in tables.items() for body in bodies]
+    assert len(found) == 4, f"mode, two overlap tables and the timeline expected: {found}"
+    for name, body in found:
+        assert body[-1].startswith("  legend: ") and \
+            not any("legend" in line for line in body[:-1]), (name, body)
+
+
+def test_overlap_columns_and_notes_spell_out_when_overlap_cost_time():
+    results = _results()
+    ops = results["overlap_benchmark"]["ops"]
+    ops["column_fwd"].update(hidden=-0.66, hidden_vs_parts=0.39, t_seq_ms=3.0,
+                             t_overlap_ms=3.5, t_comm_ms=1.0, t_gemm_ms=2.0)
+    for op in ops.values():  # sequential -> overlapped loses time in every op
+        op["t_overlap_ms"] = op["t_seq_ms"] + 0.5
+    results["targets"] = report.evaluate_targets(results)
+    text = report.summary_text(results)
+    row = next(line for line in text.splitlines() if line.startswith(ops["column_fwd"]["label"])
+               and "(cost time)" in line)
+    assert "-66% (cost time)" in row and re.search(r"\s39%\s", row), row
+    assert "hidden vs seq" in text and "hidden vs parts" in text, text
+    assert "negative = overlap cost time" in text, "the legend must give the sign's meaning"
+    assert not re.search(r"(saves|costs) -\d", text), "a sign the reader must decode"
+    assert "(sequential -> overlapped) costs 2.00 ms" in text, text
+    assert "costs 0.50 ms against the sequential run (3.00 ms)" in text, text

@@ -89,7 +89,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
     assert "tp_no_sp (classic TP without sequence parallelism" in summary
     assert "per block of 5 rounds, 3 blocks" in summary and "3 recordings per mode" in summary
     assert len(saved["targets"]) == 4
-    assert "targets:" in summary
+    assert "\ntargets (met: " in summary and summary.count("  legend: ") == 4, summary
     for name, r in saved["ratios"].items():  # every pair, paired over the same timed steps
         a, b = name.split("/")
         assert r["n"] == 3 and r["ci95"][0] <= r["ratio"] <= r["ci95"][1], (name, r)
