@@ -375,3 +375,21 @@ class WorkerPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def launch(main, world_size=2, *args):
+    """Run `main(*args)` on every rank, the way an example is started either way.
+
+    Under torchrun (RANK and WORLD_SIZE set) this process is one rank: join the group with
+    `init_from_env`, run `main`, leave with `shutdown`, and return `[main's result]` (this
+    rank's only). Otherwise start `world_size` local ranks (a `WorkerPool`) and return every
+    rank's result in rank order.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_from_env()
+        try:
+            return [main(*args)]
+        finally:
+            shutdown()
+    with WorkerPool(world_size) as pool:
+        return pool.run(main, *args)

@@ -32,3 +32,19 @@ def test_finetune_hf_trains_a_checkpoint_on_two_ranks_and_writes_it_back(pools, 
     assert len(losses) == 3 and losses[-1] < losses[0], lines
     assert (out / "config.json").exists() and (out / "model.safetensors").exists(), \
         sorted(p.name for p in out.iterdir())
+
+
+def test_train_tp_losses_equal_the_one_device_models_on_two_ranks(pools):
+    from tensor_parallel_toy.examples import train_tp
+
+    results = pools(2).run(train_tp.run_rank)
+    for r, result in enumerate(results):
+        diff = max(abs(a - b) for a, b in zip(result["tp"], result["one_device"]))
+        assert len(result["tp"]) == train_tp.STEPS and diff <= train_tp.TOL, (r, result)
+
+
+def test_own_model_tp_output_and_every_gradient_equal_the_one_device_models(pools):
+    from tensor_parallel_toy.examples import own_model_tp
+
+    for r, result in enumerate(pools(2).run(own_model_tp.run_rank)):
+        assert max(result.values()) <= own_model_tp.TOL, (r, result)
