@@ -34,12 +34,12 @@ def _test(extra_args):
 
 def _blog():
     """Draw the conceptual figures into blog/figures and render blog/src/*.md into blog/."""
-    from .profiling import concepts, post
+    from .post import concepts, render
 
     blog_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "blog")
     try:
         written = concepts.draw_all(os.path.join(blog_dir, "figures"))
-        written += post.write_posts(blog_dir)
+        written += render.write_posts(blog_dir)
     except (KeyError, ValueError) as e:  # a placeholder the results cannot fill
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ the block aside). When the code changes, the test names the excerpt that drifted
 updated in the same change. The post's image links must point at files that exist.
 
 Numbers. The posts are rendered from blog/src/ by `python -m tensor_parallel_toy blog`
-(profiling/post.py): every measured number is a placeholder naming an entry of the committed
+(post/render.py): every measured number is a placeholder naming an entry of the committed
 results. The committed posts must equal a fresh rendering, and the templates must hold no
 number that looks measured outside the allow-list below.
 """
@@ -42,7 +42,7 @@ _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 def _posts():
     """{name: text} of the committed, rendered posts."""
-    from tensor_parallel_toy.profiling import post
+    from tensor_parallel_toy.post import render as post
 
     texts = {}
     for name in post.POSTS:
@@ -107,7 +107,7 @@ def test_blog_images_and_links_exist():
 def test_committed_posts_equal_a_fresh_rendering_of_their_templates():
     """Re-running the profile into blog/results, or editing blog/src, without running
     `python -m tensor_parallel_toy blog` fails here."""
-    from tensor_parallel_toy.profiling import post
+    from tensor_parallel_toy.post import render as post
 
     for name, expected in post.rendered_posts(BLOG).items():
         with open(os.path.join(BLOG, name), encoding="utf-8") as f:
@@ -122,13 +122,13 @@ def test_committed_posts_equal_a_fresh_rendering_of_their_templates():
 
 
 def test_templates_hold_no_hand_typed_measurement():
-    from tensor_parallel_toy.profiling import post
+    from tensor_parallel_toy.post import render as post
 
     for name in post.POSTS:
         with open(os.path.join(BLOG, "src", name), encoding="utf-8") as f:
             found = post.hand_typed_numbers(f.read(), ALLOWED_NUMBERS)
         assert not found, (f"blog/src/{name}: numbers typed by hand (line, number): {found}; "
-                           f"use a placeholder {{{{source:path|format}}}} (profiling/post.py)")
+                           f"use a placeholder {{{{source:path|format}}}} (post/render.py)")
 
 
 @pytest.mark.parametrize("template, expected", [
@@ -142,13 +142,13 @@ def test_templates_hold_no_hand_typed_measurement():
 ], ids=["decimal", "thousands", "exponent", "three-digits", "small-ints", "placeholder-year",
         "code-and-links"])
 def test_hand_typed_number_finder(template, expected):
-    from tensor_parallel_toy.profiling import post
+    from tensor_parallel_toy.post import render as post
 
     assert post.hand_typed_numbers(template, ALLOWED_NUMBERS) == expected
 
 
 def test_render_fills_placeholders_and_refuses_unknown_ones():
-    from tensor_parallel_toy.profiling import post
+    from tensor_parallel_toy.post import render as post
 
     data = {"run": {"a": {"b": [0.25, 0.123456]}, "r": {"ratio": 0.9, "ci95": [0.8, 0.95]}}}
     text = post.render("x {{run:a.b.-1|.3f}} y {{run:a.b.0|ms}} {{run:r|ratio}} {{n}}", data,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.model import Transformer
-from tensor_parallel_toy.profiling import concepts
+from tensor_parallel_toy.post import concepts
 from tensor_parallel_toy.profiling.memory_model import (block_saved_elements,
                                                         model_saved_bytes, model_saved_elements,
                                                         profile_block_mib, profile_shape)
@@ -135,7 +135,7 @@ def test_memory_model_refuses_sizes_that_do_not_split(bad, message):
 def test_blog_figures_are_drawn_from_the_current_source():
     stale = concepts.stale_figures(FIGURES)
     assert not stale, ("blog/figures is out of date; redraw it with `python -m "
-                       "tensor_parallel_toy.profiling.concepts blog/figures`:\n"
+                       "tensor_parallel_toy.post.concepts blog/figures`:\n"
                        + "\n".join(stale))
 
 

@@ -1,7 +1,9 @@
-"""The package's three rooms and its import rules, read from the source with `ast`.
+"""The package's rooms and its import rules, read from the source with `ast`.
 
-- The library (`tensor_parallel_toy/*.py`) imports neither the harness (`profiling/`) nor the
-  tests; the harness does not import the tests; the tests import both (they test both). The
+- The library (`tensor_parallel_toy/*.py`) imports neither the harness (`profiling/`), nor the
+  post's build code (`post/`), nor the tests; the harness does not import the post or the
+  tests; the post may read the harness (its results' formats, the memory formula); the tests
+  import all three (they test all three). The
   command line, `__main__.py`, and the runnable examples (`examples/`, which may train on the
   harness's corpus) are front doors that lead to either room and are exempt.
 - No module imports another module's underscore name, nor reads one as `module._name`: a test
@@ -36,7 +38,7 @@ def _modules(package_dir):
 
 def _room(module):
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ("profiling", "tests") else "library"
+    return parts[1] if len(parts) > 1 and parts[1] in ("profiling", "post", "tests") else "library"
 
 
 def _private(name):
@@ -75,7 +77,8 @@ def layout_problems(package_dir):
             if not target.startswith(PACKAGE):
                 return
             room, target_room = _room(module), _room(target)
-            allowed = {"library", room} | ({"profiling"} if room == "tests" else set())
+            allowed = {"library", room} | {"tests": {"profiling", "post"},
+                                           "post": {"profiling"}}.get(room, set())
             front_door = module == f"{PACKAGE}.__main__" or module.startswith(
                 f"{PACKAGE}.examples.")
             if target_room not in allowed and not front_door:
@@ -115,8 +118,8 @@ def layout_problems(package_dir):
     return problems
 
 
-def test_the_three_rooms_exist_and_the_library_readme_names_every_module():
-    for room in ("profiling", "tests"):
+def test_the_rooms_exist_and_the_library_readme_names_every_module():
+    for room in ("profiling", "post", "tests"):
         assert os.path.isfile(os.path.join(PACKAGE_DIR, room, "__init__.py")), room
     library = sorted(f for f in os.listdir(PACKAGE_DIR) if f.endswith(".py"))
     strays = [f for f in library if f.startswith("test_") or f == "conftest.py"]
@@ -129,6 +132,8 @@ def test_the_three_rooms_exist_and_the_library_readme_names_every_module():
     harness = sorted(f for f in os.listdir(os.path.join(PACKAGE_DIR, "profiling"))
                      if f.endswith(".py") and f != "__init__.py")
     modules = {f for f in library if f != "__init__.py"} | set(harness)
+    modules |= {f"post/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "post"))
+                if f.endswith(".py") and f != "__init__.py"}
     modules |= {f"examples/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "examples"))
                 if f.endswith(".py") and f != "__init__.py"}
     assert modules <= named, f"not in tensor_parallel_toy/README.md: {sorted(modules - named)}"

@@ -16,9 +16,11 @@ matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
-from .output import atomic_path  # noqa: E402
+from ..profiling.output import atomic_path  # noqa: E402
 
-FIGURE_SOURCES = ("sketch.py", "concepts.py", "concepts_rings.py", "memory_model.py")
+FIGURE_SOURCES = ("post/sketch.py", "post/concepts.py", "post/concepts_rings.py",
+                  "profiling/memory_model.py")  # relative to the package
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_KEY = "Source-SHA256"
 WIDTH_IN, DPI = 8.2, 110  # about 900 pixels wide: the blog's column
 RC = {"font.family": "DejaVu Sans", "mathtext.fontset": "dejavusans", "font.size": 9,
@@ -32,7 +34,7 @@ def source_hash():
     """sha256 of the source the figures are drawn from: FIGURE_SOURCES, in order."""
     digest = hashlib.sha256()
     for name in FIGURE_SOURCES:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), "rb") as f:
+        with open(os.path.join(PACKAGE_DIR, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()
 

@@ -1,7 +1,7 @@
 """The blog's conceptual figures, drawn by code: the splits, the collectives, the regions of a
 block, the two rings (concepts_rings.py), and the activation memory per saved tensor.
 
-    python -m tensor_parallel_toy.profiling.concepts blog/figures
+    python -m tensor_parallel_toy.post.concepts blog/figures
 
 writes them all (`draw_all`). Each PNG carries the hash of the source it was drawn from
 (sketch.py says which files): `stale_figures` names every figure that is missing or was drawn
@@ -13,7 +13,7 @@ import sys
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
-from . import memory_model
+from ..profiling import memory_model
 from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_reduce_scatter
 from .sketch import (COMM, RANK_EDGE, RANK_FILL, SOURCE_KEY, SUM, WIDTH_IN, arrow, box, canvas,
                      rounded, save, source_hash, styled)

@@ -1,0 +1,1 @@
+"""The code that builds the blog: its conceptual figures and its text rendered from results."""
