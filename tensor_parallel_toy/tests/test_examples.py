@@ -1,4 +1,5 @@
-"""The examples run as a reader would run them, and check what they claim."""
+"""The examples run as a reader would run them, and check what they claim. (`train_tp`, the
+README's training script, is run from a copy of the README's block: test_readme.py.)"""
 import os
 import subprocess
 import sys
@@ -34,17 +35,16 @@ def test_finetune_hf_trains_a_checkpoint_on_two_ranks_and_writes_it_back(pools, 
         sorted(p.name for p in out.iterdir())
 
 
-def test_train_tp_losses_equal_the_one_device_models_on_two_ranks(pools):
-    from tensor_parallel_toy.examples import train_tp
-
-    results = pools(2).run(train_tp.run_rank)
-    for r, result in enumerate(results):
-        diff = max(abs(a - b) for a, b in zip(result["tp"], result["one_device"]))
-        assert len(result["tp"]) == train_tp.STEPS and diff <= train_tp.TOL, (r, result)
-
-
 def test_own_model_tp_output_and_every_gradient_equal_the_one_device_models(pools):
     from tensor_parallel_toy.examples import own_model_tp
 
     for r, result in enumerate(pools(2).run(own_model_tp.run_rank)):
         assert max(result.values()) <= own_model_tp.TOL, (r, result)
+
+
+def test_fsdp_tp_2d_losses_equal_the_one_device_models_on_a_2x2_grid(pools):
+    from tensor_parallel_toy.examples import fsdp_tp_2d
+
+    for r, result in enumerate(pools(4).run(fsdp_tp_2d.run_rank)):
+        diff = max(abs(a - b) for a, b in zip(result["2d"], result["one_device"]))
+        assert len(result["2d"]) == fsdp_tp_2d.STEPS and diff <= fsdp_tp_2d.TOL, (r, result)
