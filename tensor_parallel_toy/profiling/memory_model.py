@@ -17,12 +17,12 @@ tensor listed here to a storage autograd saves. In bf16 the norms, the rotary em
 the loss also keep fp32 copies, which it leaves out: at the profile's shape the bf16 baseline
 saves 1.37 times the count at `bytes_per_element=2`.
 """
+from .metrics import MiB
 from .spec import MODEL_DEFAULTS, SEQ, ProfileSpec
 
 SEQUENCE_PARALLEL = "sequence-parallel"  # this rank's s/p tokens (TP + SP)
 REPLICATED = "replicated"  # the full sequence on every rank (TP alone)
 TENSOR_PARALLEL = "tensor-parallel"  # this rank's heads or MLP features
-MiB = 2 ** 20
 
 
 def _check_sizes(s, b, h, f, a, p, sequence_parallel):

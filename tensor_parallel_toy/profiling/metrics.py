@@ -13,6 +13,8 @@ import time
 import numpy as np
 import torch
 
+MiB = 2 ** 20  # the unit every memory and traffic figure is reported in
+
 
 def local_tensor(t):
     """The tensor this rank actually stores: a DTensor's local shard, the result inside an

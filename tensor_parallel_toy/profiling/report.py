@@ -4,9 +4,8 @@ Every target is checked against measured numbers, and a missed one is explained 
 measured numbers (the ceilings of the overlap benchmark, the timeline's blocked time, the
 growth of the loss difference), never by a guess.
 """
-from .metrics import ratio_interval, summarize
+from .metrics import MiB, ratio_interval, summarize
 
-MiB = 2 ** 20
 LOSS_TOL = 1e-4
 # Step-time ratios are met only when their whole 95 % interval is on the right side.
 TARGETS = {
@@ -111,102 +110,120 @@ def _hidden_note(op):
 
 
 def evaluate_targets(results):
-    """The benchmark targets: measured value, met or not, shortfall, measured reason."""
-    modes, bench, tl = results["modes"], results.get("overlap_benchmark"), results.get("timeline")
-    link = results["meta"].get("link")
-    gpu = results["meta"]["device"] == "cuda"
-    out = []
+    """The benchmark targets: measured value, met or not, shortfall, measured reason. Each
+    function below checks one target and returns None when this run has nothing to check it on."""
+    checks = (_overlapped_op_target, _overlap_vs_tp_target, _overlap_vs_dtensor_target,
+              _loss_target)
+    return [t for t in (check(results) for check in checks) if t is not None]
 
-    # 1. forward AG+GEMM overlapped <= 1.2 x max(comm, GEMM), where the wire is the bottleneck
-    if bench:
-        op = bench["ops"]["column_fwd"]
-        measured, limit = op["overlap_over_max"], TARGETS["overlap_over_max"]
-        met = measured <= limit if link or gpu else None
-        # A part cannot take longer than the sequential run that contains it, beyond noise.
-        consistent = max(op["t_comm_ms"], op["t_gemm_ms"]) <= 1.1 * op["t_seq_ms"]
-        why = (f"schedule ceiling {op['schedule_ceiling']:.0%} of the hideable time (comm/GEMM "
-               f"= {op['comm_over_gemm']:.2f} at p={bench['shape']['p']})")
-        if "cpu_ceiling" in op:
-            why += (f"; CPU ceiling {op['cpu_ceiling']:.0%}: a {op['t_comm_ms']:.2f} ms transfer "
-                    f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU, "
-                    f"{op['comm_cpu_posting_thread_ms']:.2f} ms of it in the posting thread, "
-                    f"the rest on a core that also runs a rank's GEMM")
-        note = _hidden_note(op)
-        if gpu:
-            why += ("; on a GPU NCCL's kernels take SMs and memory bandwidth from the GEMM they "
-                    "run beside, so the overlapped GEMM is slower than the GEMM alone")
-        elif not link:
-            why = ("not a target on loopback: a transfer there is CPU work on the cores that run "
-                   "the GEMMs, not time on a wire (run with --link to measure it)")
-        elif not consistent:
-            met, why = None, (
-                f"not measurable here: a part took longer than the sequential run that contains "
-                f"it (comm alone {op['t_comm_ms']:.2f} ms, GEMM alone {op['t_gemm_ms']:.2f} ms, "
-                f"sequential {op['t_seq_ms']:.2f} ms); the ranks share cores or other work "
-                f"loads the machine")
-        out.append(_target(f"forward AG+GEMM overlapped <= {limit} x max(comm, GEMM)", measured,
-                           met, None if met in (True, None) else measured - limit, why, note))
 
-    # 2. tp_overlap / tp: on the link <= 0.75 with the interval below 0.8; on loopback <= 1.0
+def _run_kind(results):
+    """(link, gpu): the run's emulated link (or None) and whether it ran on CUDA."""
+    return results["meta"].get("link"), results["meta"]["device"] == "cuda"
+
+
+def _overlapped_op_target(results):
+    """Forward AG+GEMM overlapped <= 1.2 x max(comm, GEMM), where the wire is the bottleneck."""
+    bench = results.get("overlap_benchmark")
+    if not bench:
+        return None
+    link, gpu = _run_kind(results)
+    op = bench["ops"]["column_fwd"]
+    measured, limit = op["overlap_over_max"], TARGETS["overlap_over_max"]
+    met = measured <= limit if link or gpu else None
+    # A part cannot take longer than the sequential run that contains it, beyond noise.
+    consistent = max(op["t_comm_ms"], op["t_gemm_ms"]) <= 1.1 * op["t_seq_ms"]
+    why = (f"schedule ceiling {op['schedule_ceiling']:.0%} of the hideable time (comm/GEMM "
+           f"= {op['comm_over_gemm']:.2f} at p={bench['shape']['p']})")
+    if "cpu_ceiling" in op:
+        why += (f"; CPU ceiling {op['cpu_ceiling']:.0%}: a {op['t_comm_ms']:.2f} ms transfer "
+                f"costs each rank {op['comm_cpu_ms']:.2f} ms of CPU, "
+                f"{op['comm_cpu_posting_thread_ms']:.2f} ms of it in the posting thread, "
+                f"the rest on a core that also runs a rank's GEMM")
+    if gpu:
+        why += ("; on a GPU NCCL's kernels take SMs and memory bandwidth from the GEMM they "
+                "run beside, so the overlapped GEMM is slower than the GEMM alone")
+    elif not link:
+        why = ("not a target on loopback: a transfer there is CPU work on the cores that run "
+               "the GEMMs, not time on a wire (run with --link to measure it)")
+    elif not consistent:
+        met, why = None, (
+            f"not measurable here: a part took longer than the sequential run that contains "
+            f"it (comm alone {op['t_comm_ms']:.2f} ms, GEMM alone {op['t_gemm_ms']:.2f} ms, "
+            f"sequential {op['t_seq_ms']:.2f} ms); the ranks share cores or other work "
+            f"loads the machine")
+    return _target(f"forward AG+GEMM overlapped <= {limit} x max(comm, GEMM)", measured,
+                   met, None if met in (True, None) else measured - limit, why, _hidden_note(op))
+
+
+def _overlap_vs_tp_target(results):
+    """tp_overlap / tp: on the link <= 0.75 with the interval below 0.8; on loopback <= 1.0."""
     r = _ratio(results, "tp_overlap", "tp")
-    if r is not None:
-        low, high = r["ci95"]
-        if link:
-            median_limit, high_limit = TARGETS["overlap_vs_tp_link"]
-            name = (f"tp_overlap / tp step time <= {median_limit}, 95% interval below "
-                    f"{high_limit}")
-            met = r["ratio"] <= median_limit and high < high_limit
-            short = max(r["ratio"] - median_limit, high - high_limit)
-        else:
-            limit = TARGETS["overlap_vs_tp_loopback"]
-            name = f"tp_overlap / tp step time <= {limit} (overlap never costs time), whole interval"
-            met, short = high <= limit, high - limit
-        why = None
-        if tl:
-            t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
-            total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
-            who = "the compute stream stalled" if gpu else "the host blocked"
-            why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
-                   f"(slowest rank): tp {total:.1f} ms, {who} {blocked:.1f} ms waiting for "
-                   f"communication (hiding all of it would give {(total - blocked) / total:.2f}"
-                   f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still "
-                   f"{o['blocked_in_comm_ms']['median']:.1f} ms"
-                   + ("" if gpu else f", and posting {o['posting_ms']['median']:.1f} ms"))
-        out.append(_target(name, r["ratio"], met, None if met else short, why,
-                           f"{_fmt_ratio(r)}; " + _overlap_gain_note(bench) if bench
-                           else _fmt_ratio(r), interval=r["ci95"]))
+    if r is None:
+        return None
+    link, gpu = _run_kind(results)
+    bench, tl = results.get("overlap_benchmark"), results.get("timeline")
+    low, high = r["ci95"]
+    if link:
+        median_limit, high_limit = TARGETS["overlap_vs_tp_link"]
+        name = f"tp_overlap / tp step time <= {median_limit}, 95% interval below {high_limit}"
+        met = r["ratio"] <= median_limit and high < high_limit
+        short = max(r["ratio"] - median_limit, high - high_limit)
+    else:
+        limit = TARGETS["overlap_vs_tp_loopback"]
+        name = f"tp_overlap / tp step time <= {limit} (overlap never costs time), whole interval"
+        met, short = high <= limit, high - limit
+    why = None
+    if tl:
+        t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
+        total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
+        who = "the compute stream stalled" if gpu else "the host blocked"
+        why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
+               f"(slowest rank): tp {total:.1f} ms, {who} {blocked:.1f} ms waiting for "
+               f"communication (hiding all of it would give {(total - blocked) / total:.2f}"
+               f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still "
+               f"{o['blocked_in_comm_ms']['median']:.1f} ms"
+               + ("" if gpu else f", and posting {o['posting_ms']['median']:.1f} ms"))
+    note = f"{_fmt_ratio(r)}; " + _overlap_gain_note(bench) if bench else _fmt_ratio(r)
+    return _target(name, r["ratio"], met, None if met else short, why, note, interval=r["ci95"])
 
-    # 3. tp_overlap <= 0.8 x dtensor, whole interval
+
+def _overlap_vs_dtensor_target(results):
+    """tp_overlap <= 0.8 x dtensor, whole interval."""
     r = _ratio(results, "tp_overlap", "dtensor")
-    if r is not None:
-        limit = TARGETS["overlap_vs_dtensor"]
-        met = r["ci95"][1] <= limit
-        tp_vs_dt = _ratio(results, "tp", "dtensor")
-        note = None if tp_vs_dt is None or _ratio(results, "tp_overlap", "tp") is None else (
-            f"tp_overlap / dtensor = (tp_overlap / tp) x (tp / dtensor) = "
-            f"{_ratio(results, 'tp_overlap', 'tp')['ratio']:.2f} x {tp_vs_dt['ratio']:.2f}")
-        out.append(_target(f"tp_overlap / dtensor step time <= {limit}, whole interval",
-                           r["ratio"], met, None if met else r["ci95"][1] - limit, note,
-                           _fmt_ratio(r), interval=r["ci95"]))
+    if r is None:
+        return None
+    limit = TARGETS["overlap_vs_dtensor"]
+    met = r["ci95"][1] <= limit
+    tp_vs_dt, overlap_vs_tp = _ratio(results, "tp", "dtensor"), _ratio(results, "tp_overlap", "tp")
+    note = None if tp_vs_dt is None or overlap_vs_tp is None else (
+        f"tp_overlap / dtensor = (tp_overlap / tp) x (tp / dtensor) = "
+        f"{overlap_vs_tp['ratio']:.2f} x {tp_vs_dt['ratio']:.2f}")
+    return _target(f"tp_overlap / dtensor step time <= {limit}, whole interval",
+                   r["ratio"], met, None if met else r["ci95"][1] - limit, note,
+                   _fmt_ratio(r), interval=r["ci95"])
 
-    # 4. per-step loss within 1e-4 relative of the baseline (fp32)
+
+def _loss_target(results):
+    """Per-step loss of every TP mode within 1e-4 relative of the baseline (fp32)."""
+    modes = results["modes"]
     errors = {m: max(d["loss_rel_err_vs_baseline"]) for m, d in modes.items()
               if "loss_rel_err_vs_baseline" in d}
-    if errors:
-        worst_mode = max(errors, key=errors.get)
-        worst = errors[worst_mode]
-        fp32 = results["config"]["run"]["dtype"] == "fp32"
-        met = worst <= LOSS_TOL if fp32 else None
-        why = None
-        if fp32 and not met:
-            errs = modes[worst_mode]["loss_rel_err_vs_baseline"]
-            first = next(i for i, e in enumerate(errs) if e > LOSS_TOL)
-            why = (f"{worst_mode}: {errs[0]:.1e} at step 0, first above 1e-4 at step {first}: "
-                   f"fp32 round-off of a different summation order, amplified by training")
-        out.append(_target("per-step loss of every TP mode within 1e-4 relative of baseline"
-                           + ("" if fp32 else " (checked in fp32 only; this run is not fp32)"),
-                           worst, met, None if met in (True, None) else worst - LOSS_TOL, why))
-    return out
+    if not errors:
+        return None
+    worst_mode = max(errors, key=errors.get)
+    worst = errors[worst_mode]
+    fp32 = results["config"]["run"]["dtype"] == "fp32"
+    met = worst <= LOSS_TOL if fp32 else None
+    why = None
+    if fp32 and not met:
+        errs = modes[worst_mode]["loss_rel_err_vs_baseline"]
+        first = next(i for i, e in enumerate(errs) if e > LOSS_TOL)
+        why = (f"{worst_mode}: {errs[0]:.1e} at step 0, first above 1e-4 at step {first}: "
+               f"fp32 round-off of a different summation order, amplified by training")
+    return _target("per-step loss of every TP mode within 1e-4 relative of baseline"
+                   + ("" if fp32 else " (checked in fp32 only; this run is not fp32)"),
+                   worst, met, None if met in (True, None) else worst - LOSS_TOL, why)
 
 
 def link_text(link):

@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 from . import link, plots
+from .metrics import MiB
 from .output import write_text
 
 MODES = ("tp", "tp_overlap")
@@ -122,7 +123,7 @@ def report_rate(described):
 
 def text_table(sweep):
     lines = [f"\nsweep: step time, ms (median [p10-p90]); bytes one rank sends per step: "
-             f"{sweep['bytes_per_step_derived'] / 2 ** 20:.2f} MiB derived",
+             f"{sweep['bytes_per_step_derived'] / MiB:.2f} MiB derived",
              f"{'link':<10}{'measured':>10}{'veth MiB/step tp, ovl':>23}{'comm-bound':>12}"
              f"{'tp':>22}{'tp_overlap':>22}{'ratio [95% interval]':>24}"]
 
@@ -132,8 +133,8 @@ def text_table(sweep):
     for p in sweep["rates"]:
         bound = sweep["bytes_per_step_derived"] * 8 / p["rate_bits_per_s"]
         lines.append(f"{p['rate']:<10}{p['measured_bits_per_s'] / 1e9:>8.2f}Gb"
-                     f"{p['tp']['veth_tx_bytes_per_step'] / 2 ** 20:>17.2f}, "
-                     f"{p['tp_overlap']['veth_tx_bytes_per_step'] / 2 ** 20:.2f}"
+                     f"{p['tp']['veth_tx_bytes_per_step'] / MiB:>17.2f}, "
+                     f"{p['tp_overlap']['veth_tx_bytes_per_step'] / MiB:.2f}"
                      f"{bound * 1e3:>12.1f}"
                      f"{cell(p['tp']):>22}{cell(p['tp_overlap']):>22}"
                      f"{p['ratio']['ratio']:>9.2f} [{p['ratio']['ci95'][0]:.2f}-"
