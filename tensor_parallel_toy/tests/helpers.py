@@ -142,50 +142,99 @@ def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):
     return ids.to(current_device()), labels.to(current_device())
 
 
-def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, seq=12,
-                          ignore_frac=0.25, label_smoothing=0.0):
-    """Baseline and TP model from the same seed, trained side by side.
+def train_beside_baseline(config, parallel_step, parallel_params, optimizer_params, *, steps,
+                          batch_of, bf16=False, label_smoothing=0.0):
+    """A parallel model trained beside the baseline (one device, seed 0), both by SGD with
+    momentum, checked at every step against full tensors. The one comparison loop every
+    parallel model's test shares (ours, ours in 2-D, the DTensor plan).
 
-    Checked at every step: logits `[b, s, V]`, loss (the baseline's through F.cross_entropy on
-    its own logits), the full gradient of every parameter, the grad norm; after the last step
-    the parameters. Returns {key: worst error}, plus "#grads": how many gradients were compared.
+    - `parallel_step(ids, labels, base)` runs forward and backward on the parallel model and
+      returns {"loss": the whole batch's loss, "grads": {name: full gradient},
+      "grad_norm": float, and optionally "logits": [b, s, V], "errors": {key: error}}; `base`
+      (the fp32 baseline, its gradients of this step already there) is for checks of its own,
+      returned in "errors".
+    - `parallel_params()` -> {name: full parameter}; `optimizer_params`: the parallel model's
+      (wrapped) parameters for its optimizer; `batch_of(step)` -> (ids, labels).
+    Checked: the weights before training, then at every step logits (when given), loss, every
+    gradient, the gradient norm, and every parameter after the step. Returns {key: worst
+    error} and "#grads", the number of gradients compared; with `bf16` each error is a pair
+    (parallel error, the error of the same model in bf16 on one device), for assert_bf16.
 
     The optimizer is SGD with momentum, not AdamW: AdamW's first steps divide each gradient by
     its own magnitude, so an entry near its eps (1e-8) turns fp32 round-off into parameter
-    differences of 1e-3, whatever the parallelism. SGD keeps the check about TP: the steps
-    still catch a replica or a tied weight that is updated differently.
+    differences of 1e-3, whatever the parallelism. SGD keeps the check about parallelism: the
+    steps still catch a replica or a tied weight that is updated differently.
     """
     dev = current_device()
     base = Transformer(config, seed=0).to(dev)
-    tp = Transformer(config, tp_group=tp_group, overlap=overlap, seed=0).to(dev)
-    base_params = dict(base.named_parameters())
+    bases = {"fp32": base}
+    if bf16:  # the single-device bf16 run that sets the bf16 tolerance
+        bases["bf16"] = Transformer(config, seed=0).to(dev, torch.bfloat16)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.1)  # noqa
+    optimizers = [sgd(m.parameters()) for m in bases.values()] + [sgd(optimizer_params)]
     errors = {}
-    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
-    for name, value in tp.full_state_dict().items():
-        note("init:" + name, max_rel_error(value, base_params[name]))
-    opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    opt_tp = torch.optim.SGD(tp.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+
+    def note(key, actual, expected, of_bf16=None):
+        err = max_rel_error(actual, expected)
+        if bf16:
+            old = errors.get(key, (0.0, 0.0))
+            errors[key] = (max(old[0], err), max(old[1], max_rel_error(of_bf16, expected)))
+        else:
+            errors[key] = max(errors.get(key, 0.0), err)
+
+    def note_params(prefix):
+        params16 = dict(bases["bf16"].named_parameters()) if bf16 else {}
+        full = parallel_params()
+        for name, p in base.named_parameters():
+            note(prefix + name, full[name], p, params16.get(name))
+
+    note_params("init:")
     for step in range(steps):
-        ids, labels = random_batch(config, batch, seq, seed=step, ignore_frac=ignore_frac)
-        logits_base = base(ids)
-        loss_base = F.cross_entropy(logits_base.flatten(0, 1), labels.flatten(),
-                                    label_smoothing=label_smoothing)
-        loss_base.backward()
-        note("logits", max_rel_error(tp(ids), logits_base))
-        loss_tp = tp(ids, labels, label_smoothing=label_smoothing)
-        loss_tp.backward()
-        note("loss", max_rel_error(loss_tp, loss_base))
-        full_grads = tp.full_grads()
-        errors["#grads"] = len(full_grads)
-        for name, grad in full_grads.items():
-            note("grad:" + name, max_rel_error(grad, base_params[name].grad))
-        base_norm = torch.nn.utils.get_total_norm([p.grad for p in base.parameters()])
-        note("grad_norm", max_rel_error(torch.tensor(grad_norm(tp, tp_group)), base_norm))
-        opt_base.step(), opt_tp.step()
-        opt_base.zero_grad(), opt_tp.zero_grad()
-    for name, value in tp.full_state_dict().items():
-        note("param:" + name, max_rel_error(value, base_params[name]))
+        ids, labels = batch_of(step)
+        logits, losses = {}, {}
+        for kind, m in bases.items():
+            logits[kind] = m(ids)
+            losses[kind] = F.cross_entropy(logits[kind].flatten(0, 1).float(), labels.flatten(),
+                                           label_smoothing=label_smoothing)
+            losses[kind].backward()
+        got = parallel_step(ids, labels, base)
+        if "logits" in got:
+            note("logits", got["logits"], logits["fp32"], logits.get("bf16"))
+        note("loss", got["loss"], losses["fp32"], losses.get("bf16"))
+        errors["#grads"] = len(got["grads"])
+        grads16 = {n: p.grad for n, p in bases["bf16"].named_parameters()} if bf16 else {}
+        for name, p in base.named_parameters():
+            note("grad:" + name, got["grads"][name], p.grad, grads16.get(name))
+        norms = {k: torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+                 for k, m in bases.items()}
+        note("grad_norm", torch.tensor(got["grad_norm"]), norms["fp32"], norms.get("bf16"))
+        for key, value in got.get("errors", {}).items():
+            errors[key] = max(errors.get(key, 0.0), value)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        note_params("param:")
     return errors
+
+
+def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, seq=12,
+                          ignore_frac=0.25, label_smoothing=0.0):
+    """Our TP model (same seed as the baseline) trained beside it: train_beside_baseline, the
+    TP loss through the model's vocab-parallel cross-entropy, ignored labels included."""
+    tp = Transformer(config, tp_group=tp_group, overlap=overlap, seed=0).to(current_device())
+
+    def step(ids, labels, base):
+        logits = tp(ids)
+        loss = tp(ids, labels, label_smoothing=label_smoothing)
+        loss.backward()
+        return {"logits": logits, "loss": loss, "grads": tp.full_grads(),
+                "grad_norm": grad_norm(tp, tp_group)}
+
+    def batch_of(step):
+        return random_batch(config, batch, seq, seed=step, ignore_frac=ignore_frac)
+
+    return train_beside_baseline(config, step, tp.full_state_dict, tp.parameters(), steps=steps,
+                                 batch_of=batch_of, label_smoothing=label_smoothing)
 
 
 _MESHES = {}  # per rank process: creating a mesh's groups is collective, and they are never freed

@@ -7,7 +7,6 @@ from it, so the parameter marks must have survived the wrapping."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from tensor_parallel_toy import ModelConfig, Transformer, dtensor_tp
@@ -16,8 +15,8 @@ from tensor_parallel_toy.data_parallel import (apply_ddp, apply_fsdp, data_paral
                                                init_mesh_2d, split_batch)
 from tensor_parallel_toy.sharding import grad_norm, named_layouts
 
-from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, mesh_2x2,
-                      random_batch, value_error_messages)
+from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, mesh_2x2, random_batch,
+                      train_beside_baseline, value_error_messages)
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)
@@ -42,70 +41,42 @@ def _wrap(engine, kind, overlap, bf16):
     return apply_fsdp(model, mesh, mp_policy=policy), model
 
 
-def _step(wrapped, model, kind, ids, labels):
-    """One forward + backward on this DP rank's half of the batch: (whole-batch loss, full
-    gradients, grad norm), read from the wrapped model."""
-    dp_group, tp_group = mesh_2x2()["dp"].get_group(), mesh_2x2()["tp"].get_group()
-    ids, labels = split_batch(ids, dp_group), split_batch(labels, dp_group)
-    if kind == "ours":
-        loss = data_parallel_loss(wrapped, ids, labels, dp_group)
-        loss.backward()
-        grads, norm = model.full_grads(), grad_norm(wrapped, tp_group)
-    else:  # equal token counts on both halves: the mean of the two means is the batch mean
-        loss = dtensor_tp.transformer_loss_and_backward(wrapped, ids, labels)
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
-    whole = all_reduce_(loss.detach().float().clone(), dp_group) / dist.get_world_size(dp_group)
-    return whole, grads, float(norm)
-
-
 def _on_rank_engine(engine, kind, overlap, seq, bf16=False):
-    base = Transformer(CONFIG, seed=0)
-    bases = {"fp32": base}
-    if bf16:  # the single-device bf16 run that sets the bf16 tolerance
-        bases["bf16"] = Transformer(CONFIG, seed=0).to(torch.bfloat16)
+    """The 2-D model trained beside the baseline (helpers.train_beside_baseline), each DP rank
+    on its half of every global batch; loss, gradients and norm read from the wrapped model."""
     wrapped, model = _wrap(engine, kind, overlap, bf16)
     if kind == "ours":
-        model.load_full_state_dict(base.state_dict())
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for k, m in bases.items()}
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.5, momentum=0.9)
-    errors = {"#grads": 0}
+        model.load_full_state_dict(Transformer(CONFIG, seed=0).state_dict())
+    dp_group, tp_group = mesh_2x2()["dp"].get_group(), mesh_2x2()["tp"].get_group()
 
-    def note(key, actual, expected, base16=None):
-        err = max_rel_error(actual, expected)
-        if bf16:
-            old = errors.get(key, (0.0, 0.0))
-            errors[key] = (max(old[0], err), max(old[1], max_rel_error(base16, expected)))
-        else:
-            errors[key] = max(errors.get(key, 0.0), err)
+    def step(ids, labels, base):
+        ids, labels = split_batch(ids, dp_group), split_batch(labels, dp_group)
+        if kind == "ours":
+            loss = data_parallel_loss(wrapped, ids, labels, dp_group)
+            loss.backward()
+            grads, norm = model.full_grads(), grad_norm(wrapped, tp_group)
+        else:  # equal token counts on both halves: the mean of the two means is the batch mean
+            loss = dtensor_tp.transformer_loss_and_backward(wrapped, ids, labels)
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            norm = norm.full_tensor()
+        whole = all_reduce_(loss.detach().float().clone(), dp_group) / dist.get_world_size(dp_group)
+        return {"loss": whole, "grads": grads, "grad_norm": float(norm)}
 
-    for step in range(STEPS):
+    def params():
+        if kind == "ours":
+            return model.full_state_dict()
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    def batch_of(step):
         ignore = 0.4 if kind == "ours" else 0.0
         ids, labels = random_batch(CONFIG, GLOBAL_BATCH, seq, seed=step, ignore_frac=ignore)
         if kind == "ours":  # uneven token counts on the two DP halves
             labels[:GLOBAL_BATCH // 2, : seq // 2] = -100
-        losses = {}
-        for k, m in bases.items():
-            losses[k] = F.cross_entropy(m(ids).flatten(0, 1).float(), labels.flatten())
-            losses[k].backward()
-        loss, grads, norm = _step(wrapped, model, kind, ids, labels)
-        params16 = dict(bases["bf16"].named_parameters()) if bf16 else {}
-        note("loss", loss, losses["fp32"], losses.get("bf16"))
-        errors["#grads"] = len(grads)
-        for name, p in base.named_parameters():
-            note("grad:" + name, grads[name], p.grad,
-                 params16[name].grad if bf16 else None)
-        norms = {k: torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
-                 for k, m in bases.items()}
-        note("grad_norm", torch.tensor(norm), norms["fp32"], norms.get("bf16"))
-        for o in (*opts.values(), opt):
-            o.step()
-            o.zero_grad()
-    full = (model.full_state_dict() if kind == "ours"
-            else {n: p.full_tensor() for n, p in model.named_parameters()})
-    for name, p in base.named_parameters():
-        note("param:" + name, full[name], p, params16[name] if bf16 else None)
-    return errors
+        return ids, labels
+
+    return train_beside_baseline(CONFIG, step, params, wrapped.parameters(), steps=STEPS,
+                                 batch_of=batch_of, bf16=bf16)
 
 
 CASES = [("fsdp", "ours", False, 8), ("fsdp", "ours", True, 7), ("fsdp", "dtensor", False, 8),

@@ -9,14 +9,13 @@ local gradients fails without the fix (and so this test can fail).
 import dataclasses
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from tensor_parallel_toy import Transformer, dtensor_tp
 
-from .helpers import CONFIG, MODEL_FP32_TOL, assert_errors, fixed_batch, max_rel_error
+from .helpers import (CONFIG, MODEL_FP32_TOL, assert_errors, fixed_batch, max_rel_error,
+                      train_beside_baseline)
 
 TRAP_MIN_ERROR = 1e-2  # a partial sum over half the tokens is off by O(1), not by round-off
 
@@ -30,45 +29,39 @@ def _expected_local(full, grad, rank, p):
 
 
 def _on_rank_dtensor_vs_baseline(steps, kv_heads=None):
+    """The DTensor plan trained beside the baseline (helpers.train_beside_baseline), plus, at
+    every step: the trap (each Partial gradient's local part before reduce_partial_grads),
+    whether the grad norm refused to read it, and every local gradient after the fix."""
     group = dist.group.WORLD
     p, rank = dist.get_world_size(group), dist.get_rank(group)
     config = dataclasses.replace(CONFIG, num_kv_heads=kv_heads or CONFIG.num_heads)
-    base = Transformer(config, seed=0)
     model = dtensor_tp.parallelize_transformer(Transformer(config, seed=0), group)
-    # SGD, not AdamW: see helpers.compare_with_baseline (AdamW amplifies round-off in near-zero gradients).
-    opt_base = torch.optim.SGD(base.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    opt_dt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
-    base_params = dict(base.named_parameters())
-    errors, trap, raised = {}, {}, []
-    note = lambda key, value: errors.__setitem__(key, max(errors.get(key, 0.0), value))  # noqa
-    for step in range(steps):
-        ids, labels = fixed_batch(seed=step)
-        loss_base = F.cross_entropy(base(ids).flatten(0, 1), labels.flatten())
-        loss_base.backward()
-        loss_dt = dtensor_tp.transformer_loss_and_backward(model, ids, labels)
-        note("loss", max_rel_error(loss_dt, loss_base))
+    trap, raised, steps_done = {}, [], []
+
+    def step(ids, labels, base):
+        base_grads = {n: q.grad for n, q in base.named_parameters()}
+        loss = dtensor_tp.transformer_loss_and_backward(model, ids, labels)
         for name, param in model.named_parameters():
             grad = param.grad
             if any(isinstance(pl, Partial) for pl in grad.placements):  # the trap, unreduced
-                want = _expected_local(base_params[name].grad, grad, rank, p)
+                want = _expected_local(base_grads[name], grad, rank, p)
                 trap[name] = min(trap.get(name, 1.0), max_rel_error(grad.to_local(), want))
         try:
             dtensor_tp.placement_grad_norm(model, group)
         except ValueError:
-            raised.append(step)
+            raised.append(len(steps_done))
+        steps_done.append(1)
         dtensor_tp.reduce_partial_grads(model)
-        for name, param in model.named_parameters():
-            grad, want = param.grad, base_params[name].grad
-            note("grad:" + name, max_rel_error(grad.full_tensor(), want))
-            note("local grad:" + name,
-                 max_rel_error(grad.to_local(), _expected_local(want, grad, rank, p)))
-        base_norm = torch.nn.utils.get_total_norm([q.grad for q in base.parameters()])
-        norm = torch.tensor(dtensor_tp.placement_grad_norm(model, group))
-        note("grad_norm", max_rel_error(norm, base_norm))
-        opt_base.step(), opt_dt.step()
-        opt_base.zero_grad(), opt_dt.zero_grad()
-        for name, param in model.named_parameters():
-            note("param:" + name, max_rel_error(param.full_tensor(), base_params[name]))
+        local = {"local grad:" + name: max_rel_error(
+                     param.grad.to_local(), _expected_local(base_grads[name], param.grad, rank, p))
+                 for name, param in model.named_parameters()}
+        return {"loss": loss, "grads": {n: q.grad.full_tensor() for n, q in model.named_parameters()},
+                "grad_norm": dtensor_tp.placement_grad_norm(model, group), "errors": local}
+
+    errors = train_beside_baseline(
+        config, step, lambda: {n: q.full_tensor() for n, q in model.named_parameters()},
+        model.parameters(), steps=steps, batch_of=lambda step: fixed_batch(seed=step))
+    errors.pop("#grads")
     is_dtensor = all(isinstance(q, DTensor) for q in model.parameters())
     return {"errors": errors, "trap": trap, "raised": raised, "all_dtensor": is_dtensor}
 
