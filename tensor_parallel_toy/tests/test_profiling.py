@@ -71,7 +71,8 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
             d = row[key]  # blocks of 5, 5 and 2 rounds
             assert d["n"] == 3 == len(d["values"]) and d["p10"] <= d["median"] <= d["p90"], \
                 (name, key, d)
-    assert set(saved["timeline"]["spans"]) == {"tp", "tp_overlap"}
+    assert set(saved["timeline"]["spans"]) == set(saved["timeline"]["summary"]) == {
+        "tp", "tp_overlap"}, list(saved["timeline"]["summary"])
     for mode, tl in saved["timeline"]["summary"].items():
         for key, d in tl["over_recordings"].items():
             assert d["n"] == 3 == len(d["values"]), (mode, key, d)
@@ -266,6 +267,7 @@ def test_profile_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     saved = json.loads((out / "results.json").read_text())
     assert saved["meta"]["world_size"] == 2 and saved["meta"]["tp"] == 2, saved["meta"]
+    assert list(saved["modes"]) == list(MODELS["default"]["modes"]), list(saved["modes"])
     for mode, d in saved["modes"].items():
         if mode != "baseline":
             assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
@@ -280,6 +282,7 @@ def test_profile_trains_every_mode_with_grouped_query_attention(pools, tmp_path)
     args.argv = flags
     results = phases.run_phases(phases.PoolRunner(pools(2)), args)
     assert results["config"]["model"]["num_kv_heads"] == 2, results["config"]["model"]
+    assert list(results["modes"]) == list(MODELS["default"]["modes"]), list(results["modes"])
     for mode, d in results["modes"].items():
         if mode != "baseline":
             assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
