@@ -12,6 +12,8 @@ import json
 import os
 import re
 
+from . import envelope
+
 POSTS = ("part1-tp-and-sp.md", "part2-overlap-and-real-models.md")
 HEADER = ("<!-- Rendered from blog/src/{name} by `python -m tensor_parallel_toy blog`, with the "
           "numbers of the committed profile runs: edit the source, not this file. -->\n")
@@ -130,6 +132,7 @@ def derived(data):
     from ..profiling import memory_model
 
     out = worked_example()
+    out.update(envelope.named())
     run = data["run"]
     model, cfg = run["config"]["model"], run["config"]["run"]
     s, b, p = cfg["seq"], cfg["batch"], run["meta"]["tp"]
@@ -184,7 +187,8 @@ def derived(data):
     if "sweep" in data:  # tp_overlap's step time over the larger of the sweep's two limits
         sweep = data["sweep"]
         for name, point in (("first", sweep["rates"][0]), ("last", sweep["rates"][-1])):
-            comm_bound = sweep["bytes_per_step_derived"] * 8 / point["rate_bits_per_s"]
+            # at the rate one TCP stream measured on the link, not its nominal rate
+            comm_bound = sweep["bytes_per_step_derived"] * 8 / point["measured_bits_per_s"]
             limit = max(comm_bound, sweep["compute_bound_s"])
             out[f"sweep.over_limit.{name}"] = f"{point['tp_overlap']['median_s'] / limit:.2f}"
     for src in ("run", "link1g"):  # op time / max(comm, GEMM) over blocks of rounds

@@ -13,9 +13,11 @@ full size on every rank without it. The rest lives inside attention and the MLP,
 rank's heads and MLP features: divided by `p` either way.
 
 The count is exact for fp32 (`bytes_per_element=4`): tests/test_concepts.py matches every
-tensor listed here to a storage autograd saves. In bf16 the norms, the rotary embedding and
-the loss also keep fp32 copies, which it leaves out: at the profile's shape the bf16 baseline
-saves 1.37 times the count at `bytes_per_element=2`.
+tensor listed here to a storage autograd saves. In bf16 some tensors are kept in fp32 instead:
+each RMSNorm upcasts its input twice and keeps both fp32 copies, and its `rms`; the loss keeps
+an fp32 softmax. `bf16_extra_bytes` counts them, and a test checks that the bf16 baseline saves
+the count at `bytes_per_element=2` plus that (the rotary embedding, which also computes in
+fp32, saves only its cos/sin tables).
 """
 from .metrics import MiB
 from .spec import MODEL_DEFAULTS, SEQ, ProfileSpec
@@ -102,6 +104,17 @@ def model_saved_bytes(config, s, b, p, sequence_parallel=True, bytes_per_element
     """Bytes one rank keeps for backward: the sum of `model_saved_elements` (see there)."""
     return bytes_per_element * sum(n for _, _, n in model_saved_elements(
         config, s, b, p, sequence_parallel))
+
+
+def bf16_extra_bytes(config, s, b):
+    """Bytes a bf16 `Transformer(config)` on one device saves beyond `model_saved_bytes(config,
+    s, b, 1, bytes_per_element=2)`. Each of the 2L + 1 RMSNorms computes `x.float()` twice (for
+    the mean of squares and for `x·rms`), and autograd keeps both fp32 copies where the count
+    has one bf16 input: +6 bytes per element; its `rms` is fp32: +2 bytes per token. The loss
+    keeps its softmax in fp32: +2 bytes per logit."""
+    norms = 2 * config.num_layers + 1
+    n = s * b
+    return norms * (6 * n * config.hidden_size + 2 * n) + 2 * n * config.vocab_size
 
 
 def block_mib(s, b, h, f, a, p, sequence_parallel=True, bytes_per_element=4):

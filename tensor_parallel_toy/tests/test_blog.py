@@ -32,6 +32,8 @@ BLOG = os.path.join(ROOT, "blog")
 ALLOWED_NUMBERS = {
     "2019", "2021", "2022", "2023", "2024", "2025",  # publication years
     "1909.08053", "2205.05198", "2104.04473", "2205.14135", "2211.05102",  # arXiv numbers
+    "2105.05720", "2406.06858", "2409.15241", "2401.16677", "2310.01889", "2309.14509",
+    "2407.21783",
     "1.09", "1.10",  # torchtitan's published async-TP speedups on H100, cited as such
     "3.10",  # the Python version the package needs
 }
@@ -225,3 +227,16 @@ def test_targets_in_results_json_are_what_their_numbers_give_today():
                 results = json.load(f)
             for stored, fresh in zip(results["targets"], report.evaluate_targets(results)):
                 assert stored == fresh, f"{folder}/results.json: {stored} != {fresh}"
+
+
+@pytest.mark.parametrize("s, b, h, n, p", [(4096, 1, 8192, 28672, 8), (2048, 4, 4096, 14336, 4),
+                                           (512, 2, 1024, 1024, 2), (8192, 1, 16384, 53248, 16)])
+def test_envelope_formula_equals_a_direct_count_of_bytes_and_flops(s, b, h, n, p):
+    """T_comm / T_gemm = (p-1)·B·F / (2·n·bandwidth): the same as counting the p-1 ring steps'
+    bytes and the rank's GEMM FLOPs, whatever s, b and h are."""
+    from tensor_parallel_toy.post import envelope
+
+    for link in (envelope.NVLINK_H100, envelope.INFINIBAND_NDR):
+        t_comm, t_gemm = envelope.layer_times(s, b, h, n, p, link)
+        formula = envelope.ratio(p, n, link)
+        assert abs(t_comm / t_gemm - formula) <= 1e-12 * formula, (t_comm / t_gemm, formula)

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.post import concepts
-from tensor_parallel_toy.profiling.memory_model import (block_saved_elements,
+from tensor_parallel_toy.profiling.memory_model import (bf16_extra_bytes, block_saved_elements,
                                                         model_saved_bytes, model_saved_elements,
-                                                        profile_block_mib, profile_shape)
+                                                        profile_shape)
+from tensor_parallel_toy.rotary import apply_rotary
 from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
 from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
 from tensor_parallel_toy.profiling.tp_no_sp import classic_tp_model
@@ -96,6 +97,33 @@ def test_memory_model_matches_saved_tensors_classic_tp(pools):
     for rank, (loss_err, storages) in enumerate(pools(2).run(_on_rank_classic_tp)):
         assert loss_err <= 1e-5, f"rank {rank}: classic TP loss differs by {loss_err:.3g}"
         _assert_matches(storages, rows, f"TP alone, p=2, rank {rank}")
+
+
+def test_bf16_saves_the_count_plus_the_norms_fp32_copies_and_the_fp32_softmax():
+    """In bf16 the excess over the count at 2 bytes per element is what `bf16_extra_bytes`
+    lists (the norms' two fp32 copies of their input and fp32 rms, the loss's fp32 softmax),
+    and nothing from the rotary embedding."""
+    model = Transformer(CONFIG).to(torch.bfloat16)
+    _, storages = _saved_storages(model)
+    formula = model_saved_bytes(CONFIG, SHAPE["s"], SHAPE["b"], 1, bytes_per_element=2)
+    expected = formula + bf16_extra_bytes(CONFIG, SHAPE["s"], SHAPE["b"])
+    measured = sum(storages)
+    assert expected <= measured <= (1 + EXTRA_TOL) * expected, (
+        f"bf16 baseline saved {measured:,} B; count at 2 B/element {formula:,} B, plus the fp32 "
+        f"copies {expected:,} B (allowed beyond it: {EXTRA_TOL:.1%})")
+
+
+def test_rotary_embedding_saves_only_its_tables_not_fp32_copies_of_q():
+    s, b, heads, hd = 16, 2, 4, 8
+    q = torch.randn(s, b, heads, hd, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(s, hd // 2), torch.randn(s, hd // 2)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        apply_rotary(q, cos, sin).sum().backward()
+    sizes = {(t.dtype, t.numel()) for t in saved}
+    assert all(numel <= cos.numel() for _, numel in sizes), (
+        f"apply_rotary saved tensors larger than its [s, hd/2] tables (q has {q.numel()} "
+        f"elements): {sorted(sizes, key=str)}")
 
 
 ODD = ModelConfig(vocab_size=96, hidden_size=48, num_layers=3, num_heads=12, ffn_hidden_size=72,

@@ -1,0 +1,94 @@
+"""When can overlap pay on GPUs? A back-of-envelope for one tensor-parallel linear layer.
+
+A column layer all-gathers its input `[s, b, h]` along the sequence and multiplies by its
+weight rows `[n/p, h]`; a row layer multiplies `[s, b, n/p]` by its weight columns `[h, n/p]`
+and reduce-scatters the `[s, b, h]` partial sums. `n` is the layer's other width: the MLP size
+for fc1 and fc2, the q/k/v width for qkv, `h` for the attention's output projection.
+Either way, per rank and per pass:
+
+    bytes sent:  (p - 1)/p · s·b·h · B           (a ring all-gather or reduce-scatter)
+    GEMM FLOPs:  2 · s·b·h · n / p
+
+so with a link of `link_bytes_per_s` (one direction, per GPU) and `flops_per_s`,
+
+    T_comm / T_gemm = (p - 1) · B · flops_per_s / (2 · n · link_bytes_per_s)
+
+`s`, `b` and `h` cancel: the ratio depends on the hardware, the TP size and one width.
+`ratio` is that formula; `layer_times` counts the two sides directly, for a test to compare.
+The hardware numbers are peak datasheet rates; achieved rates are lower on both sides.
+"""
+from dataclasses import dataclass
+
+BF16 = 2  # bytes per element
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bytes_per_s: float  # one direction, per GPU
+
+
+# NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16; NVLink 4 is 900 GB/s per GPU counting
+# both directions; a ConnectX-7 NIC per GPU gives 400 Gbit/s.
+H100_BF16_FLOPS = 989e12
+NVLINK_H100 = Link("NVLink 4 (H100)", 450e9)
+INFINIBAND_NDR = Link("InfiniBand NDR, 400 Gbit/s per GPU", 50e9)
+
+# Llama 3 70B (Dubey et al. 2024): hidden 8192, MLP 28672 (SwiGLU: fc1 holds gate and up),
+# 64 query heads and 8 k/v heads of 128.
+LLAMA3_70B = {"h": 8192, "m": 28672, "heads": 64, "kv_heads": 8, "head_dim": 128}
+
+
+def layer_widths(model=LLAMA3_70B):
+    """{layer: n}, the width each of a block's four TP layers splits over the ranks."""
+    h, m, d = model["h"], model["m"], model["head_dim"]
+    return {"qkv": (model["heads"] + 2 * model["kv_heads"]) * d, "proj": h,
+            "fc1": 2 * m, "fc2": m}
+
+
+def ratio(p, n, link, flops_per_s=H100_BF16_FLOPS, bytes_per_element=BF16):
+    """T_comm / T_gemm of one TP layer of width `n` at TP size `p` (the formula above)."""
+    if p < 2 or n < 1:
+        raise ValueError(f"need p >= 2 and n >= 1, got p={p}, n={n}")
+    return (p - 1) * bytes_per_element * flops_per_s / (2 * n * link.bytes_per_s)
+
+
+def layer_times(s, b, h, n, p, link, flops_per_s=H100_BF16_FLOPS, bytes_per_element=BF16):
+    """(T_comm, T_gemm) in seconds, counted directly: the p - 1 ring steps that each send one
+    [s/p, b, h] chunk, and the per-rank GEMM of [s·b, h] by [h, n/p] (or its transpose)."""
+    chunk_bytes = (s // p) * b * h * bytes_per_element
+    t_comm = (p - 1) * chunk_bytes / link.bytes_per_s
+    t_gemm = 2 * (s * b) * h * (n // p) / flops_per_s
+    return t_comm, t_gemm
+
+
+ROWS = [(2, NVLINK_H100), (4, NVLINK_H100), (8, NVLINK_H100), (16, INFINIBAND_NDR)]
+
+
+def table(model=LLAMA3_70B, rows=ROWS):
+    """The post's markdown rows: per TP size and link, T_comm / T_gemm of each layer, and of
+    the whole block (four collectives against the four GEMMs)."""
+    widths = layer_widths(model)
+    lines = []
+    for p, link in rows:
+        cells = [f"{ratio(p, n, link):.2f}" for n in widths.values()]
+        block = 4 * ratio(p, sum(widths.values()), link)  # 4 collectives, 4 GEMMs
+        lines.append(f"| {p} | {link.name} | " + " | ".join(cells) + f" | {block:.2f} |")
+    return "\n".join(lines)
+
+
+def named():
+    """The numbers the post quotes, by placeholder name."""
+    widths = layer_widths()
+    out = {"envelope_table": table(),
+           "env.flops": f"{H100_BF16_FLOPS / 1e12:.0f}",
+           "env.nvlink": f"{NVLINK_H100.bytes_per_s / 1e9:.0f}",
+           "env.ib": f"{INFINIBAND_NDR.bytes_per_s / 1e9:.0f}",
+           "env.ib_gbit": f"{INFINIBAND_NDR.bytes_per_s * 8 / 1e9:.0f}"}
+    out.update({f"env.n.{name}": f"{n:,}" for name, n in widths.items()})
+    out.update({f"env.{k}": f"{v:,}" for k, v in LLAMA3_70B.items()})
+    for p, link in ROWS:  # the block's ratio, and the most of its TP time overlap could save
+        r = 4 * ratio(p, sum(widths.values()), link)
+        out[f"env.block.p{p}"] = f"{r:.2f}"
+        out[f"env.hide.p{p}"] = f"{min(r, 1) / (1 + r) * 100:.0f} %"
+    return out
