@@ -46,7 +46,7 @@ def plot_losses(modes, path):
     _curves(top, modes, "loss", every)
     top.set_ylabel("loss (global mean cross-entropy)")
     top.set_title("Training loss, same weights and data in every mode")
-    top.legend()
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: no curve hidden
     for mode, data in modes.items():
         if data.get("loss_rel_err_vs_baseline"):
             color, ls, marker = STYLE.get(mode, ("k", "-", None))
@@ -56,17 +56,29 @@ def plot_losses(modes, path):
     bottom.axhline(1e-4, color="#d62728", linewidth=1, label="1e-4 target")
     bottom.set_ylabel("|loss - baseline| / baseline\n(exact 0 drawn at 1e-10)")
     bottom.set_xlabel("step")
-    bottom.legend(fontsize=8)
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     save(fig, path)
 
 
 def plot_grad_norms(modes, path):
-    fig, ax = plt.subplots(figsize=(7, 4))
-    _curves(ax, modes, "grad_norm", max(1, len(next(iter(modes.values()))["grad_norm"]) // 10))
-    ax.set_xlabel("step")
-    ax.set_ylabel("global gradient L2 norm")
-    ax.set_title("Gradient norm, computed before zero_grad, replicated parameters once")
-    ax.legend()
+    """Gradient norms overlaid and, below them, each TP mode's relative difference to the
+    baseline's: the curves coincide, so only the second panel shows how closely."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    every = max(1, len(next(iter(modes.values()))["grad_norm"]) // 10)
+    _curves(top, modes, "grad_norm", every)
+    top.set_ylabel("global gradient L2 norm")
+    top.set_title("Gradient norm, computed before zero_grad, replicated parameters once")
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    for mode, data in modes.items():
+        if data.get("grad_norm_rel_err_vs_baseline"):
+            color, ls, marker = STYLE.get(mode, ("k", "-", None))
+            bottom.semilogy([max(e, 1e-10) for e in data["grad_norm_rel_err_vs_baseline"]],
+                            color=color, linestyle=ls, marker=marker, markevery=every,
+                            markersize=4, label=mode)
+    bottom.set_ylabel("|norm - baseline| / baseline\n(exact 0 drawn at 1e-10)")
+    bottom.set_xlabel("step")
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     save(fig, path)
 
 
@@ -78,9 +90,9 @@ def plot_step_times(modes, path, network=""):
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(names, med, yerr=[low, high], capsize=6,
                   color=[STYLE.get(m, ("k",))[0] for m in names])
-    for bar, m in zip(bars, names):
+    for bar, m, top in zip(bars, names, (md + hi for md, hi in zip(med, high))):
         ax.annotate(f"{bar.get_height():.1f} ms\n{modes[m]['tokens_per_s']:.0f} tok/s",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    (bar.get_x() + bar.get_width() / 2, top),  # above the whisker, not on it
                     xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
     ax.set_ylabel("step time, ms (median, bars p10-p90)")
     ax.set_title("Step time after warm-up, device synchronized, slowest rank"
@@ -147,6 +159,10 @@ def _spread(ax, x, dist, color, label, width, top):
     if above:
         ax.annotate(f"+{len(above)}", (x, top), xytext=(0, 5), textcoords="offset points",
                     ha="center", fontsize=7, color=color)
+    below = sum(v < 1.0 for v in values)
+    if below:  # named at the foot of the shaded region, which the legend explains
+        ax.annotate(f"{below} of {len(values)}\nbelow 1.0:\nlimit's noise", (x, 0.04),
+                    ha="center", va="bottom", fontsize=6, color=color)
     ax.annotate(f"{dist['median']:.2f}", (x, dist["p90"]), xytext=(0, 3),
                 textcoords="offset points", ha="center", fontsize=7)
 
@@ -253,8 +269,9 @@ def plot_timeline(spans_by_mode, path, title_extra="", network="", summary=None)
                                alpha=0.55 if s["row"] == "comm" else 1.0,
                                hatch="///" if s["kind"] == "wait" else None)
         total = max(s["end"] for r in spans_by_mode[mode] for s in r if s["kind"] == "end")
-        ax.set_title(f"{mode}: {total:.1f} ms for one block forward + backward, the median "
-                     f"recording (dotted line: end of forward)", fontsize=10, loc="left")
+        ax.set_title(f"{mode}: {total:.1f} ms for one block forward + backward, in the recording "
+                     f"with the median block time (dotted line: end of forward)", fontsize=10,
+                     loc="left")
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)
@@ -275,7 +292,8 @@ def plot_timeline(spans_by_mode, path, title_extra="", network="", summary=None)
 
 def plot_sweep(sweep, path):
     """Step time of tp and tp_overlap against the link rate, loopback as its own lines, and
-    the two limits: comm-bound (bytes per step / rate) and compute-bound."""
+    the two limits: comm-bound (bytes per step / the rate one TCP stream measured on the link,
+    which is below the nominal one) and compute-bound."""
     rates = [p["rate_bits_per_s"] / 1e9 for p in sweep["rates"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in ("tp", "tp_overlap"):
@@ -287,16 +305,16 @@ def plot_sweep(sweep, path):
                     capsize=4, label=f"{mode} over the link (median, p10-p90)")
         ax.axhline(sweep["loopback"][mode]["median_s"] * 1e3, color=color, linestyle=ls,
                    linewidth=1, label=f"{mode} over loopback")
-    dense = [rates[0] * (rates[-1] / rates[0]) ** (i / 50) for i in range(51)]
-    ax.plot(dense, [sweep["bytes_per_step_derived"] * 8 / (r * 1e9) * 1e3 for r in dense],
+    measured = [p["measured_bits_per_s"] for p in sweep["rates"]]
+    ax.plot(rates, [sweep["bytes_per_step_derived"] * 8 / m * 1e3 for m in measured],
             color="#d62728", linewidth=1.5,
             label=f"comm-bound: {sweep['bytes_per_step_derived'] / 2 ** 20:.1f} MiB per step "
-                  f"(derived from the shapes) / rate")
+                  f"(derived from the shapes) / measured rate")
     tp_bytes = [p["tp"]["veth_tx_bytes_per_step"] for p in sweep["rates"]]
-    ax.plot(rates, [b * 8 / (r * 1e9) * 1e3 for b, r in zip(tp_bytes, rates)],
+    ax.plot(rates, [b * 8 / m * 1e3 for b, m in zip(tp_bytes, measured)],
             color="#d62728", linewidth=1, linestyle="--",
             label=f"comm-bound of tp as gloo sends it: {max(tp_bytes) / 2 ** 20:.1f} MiB per "
-                  f"step measured on the veth / rate")
+                  f"step measured on the veth / measured rate")
     ax.axhline(sweep["compute_bound_s"] * 1e3, color="#444444", linewidth=1.5,
                label="compute-bound: loopback tp minus its blocked time")
     ax.set_xscale("log", base=2)
@@ -306,5 +324,5 @@ def plot_sweep(sweep, path):
     ax.set_ylim(bottom=0)
     ax.set_title(f"When overlap pays: TP={sweep['meta']['tp']}, batch {sweep['meta']['batch']} "
                  f"x seq {sweep['meta']['seq']}, {sweep['meta']['dtype']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # off the data
     save(fig, path)

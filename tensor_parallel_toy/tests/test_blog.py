@@ -106,6 +106,17 @@ def test_blog_images_and_links_exist():
     assert not missing, f"images or files linked from the posts but not in blog/: {missing}"
 
 
+def test_every_committed_figure_is_shown_or_linked_by_a_post():
+    """A PNG under blog/ that no post references is a figure nobody reads: use it or delete it
+    (a profile run into a folder the posts do not show writes figures nobody should commit)."""
+    referenced = {os.path.normpath(link.split("#")[0]) for text in _posts().values()
+                  for link in _IMAGE.findall(text) + _LINK.findall(text)}
+    committed = {os.path.relpath(os.path.join(folder, f), BLOG)
+                 for folder, _, files in os.walk(BLOG) for f in files if f.endswith(".png")}
+    unused = sorted(committed - referenced)
+    assert not unused, f"PNGs under blog/ that no post shows or links: {unused}"
+
+
 def test_committed_posts_equal_a_fresh_rendering_of_their_templates():
     """Re-running the profile into blog/results, or editing blog/src, without running
     `python -m tensor_parallel_toy blog` fails here."""
