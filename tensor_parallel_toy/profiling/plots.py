@@ -270,8 +270,8 @@ def plot_timeline(spans_by_mode, path, title_extra="", network="", summary=None)
                                hatch="///" if s["kind"] == "wait" else None)
         total = max(s["end"] for r in spans_by_mode[mode] for s in r if s["kind"] == "end")
         ax.set_title(f"{mode}: {total:.1f} ms for one block forward + backward, in the recording "
-                     f"with the median block time (dotted line: end of forward)", fontsize=10,
-                     loc="left")
+                     f"with the median block time (dotted lines: where each rank's forward "
+                     f"ends)", fontsize=10, loc="left")
         ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
         ax.set_xlim(0, end * 1.01)
     axes[-1, 0].set_xlabel("ms" + title_extra)
