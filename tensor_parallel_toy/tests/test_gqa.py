@@ -15,18 +15,17 @@ BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12, ffn_hidde
 
 def _as_multi_head(gqa_state, config):
     """The same network as multi-head attention: each query head gets its own copy of the k/v
-    head it reads (head i reads k/v head i // g), in the fused `[heads, (q, k, v), hd]` rows."""
+    head it reads (head i reads k/v head i // g), in the rows `[heads, (q, k, v), hd]`."""
     nh, nkv, hd, h = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+    g = nh // nkv
     state = {}
     for name, value in gqa_state.items():
-        if name.endswith("attn.q.weight"):
-            prefix = name[:-len("q.weight")]
-            q = value.view(nh, hd, h)
-            kv = gqa_state[prefix + "kv.weight"].view(nkv, 2, hd, h)
-            k, v = (kv[:, i].repeat_interleave(nh // nkv, dim=0) for i in (0, 1))  # [nh, hd, h]
-            state[prefix + "qkv.weight"] = torch.stack([q, k, v], dim=1).reshape(3 * h, h)
-        elif not name.endswith("attn.kv.weight"):
-            state[name] = value
+        if name.endswith("attn.qkv.weight"):
+            grouped = value.view(nkv, g + 2, hd, h)  # per k/v head: g query heads, k, v
+            q = grouped[:, :g].reshape(nh, hd, h)
+            k, v = (grouped[:, i].repeat_interleave(g, dim=0) for i in (g, g + 1))  # [nh, hd, h]
+            value = torch.stack([q, k, v], dim=1).reshape(3 * nh * hd, h)
+        state[name] = value
     return state
 
 
@@ -35,7 +34,7 @@ def test_gqa_baseline_equals_multi_head_with_shared_kv_heads(num_kv_heads):
     gqa_config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
     gqa = Transformer(gqa_config, seed=5)
     names = {n for n, _ in gqa.named_parameters()}
-    assert {"layers.0.attn.q.weight", "layers.0.attn.kv.weight"} <= names, sorted(names)
+    assert "layers.0.attn.qkv.weight" in names, sorted(names)
     mha = Transformer(ModelConfig(**BASE), seed=0)
     mha.load_full_state_dict(_as_multi_head(gqa.state_dict(), gqa_config))
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
