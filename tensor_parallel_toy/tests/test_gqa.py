@@ -3,10 +3,13 @@ split or replicated, against the baseline."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from tensor_parallel_toy import ModelConfig, Transformer
 
-from .helpers import assert_matches_baseline, assert_one_line, compare_on_world, max_rel_error
+from .helpers import (assert_matches_baseline, assert_one_line, compare_on_world, fixed_batch,
+                      max_rel_error)
 
 # 12 query heads of head_dim 4: divisible by TP 2, 3 and 4.
 BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12, ffn_hidden_size=96,
@@ -53,6 +56,49 @@ def test_gqa_model_matches_baseline_with_kv_heads_split_or_replicated(pools, num
     config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
     per_rank = pools(tp).run(compare_on_world, config, overlap=overlap)
     assert_matches_baseline(per_rank, config, f"kv={num_kv_heads} tp={tp} overlap={overlap}")
+
+
+_JOINS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack}
+
+
+class _ParameterJoins(TorchFunctionMode):
+    """Records every call that joins tensors (cat, stack, ...) with a Parameter among them: a
+    weight assembled anew on every call, an allocation and a copy per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _JOINS:
+            joined = args[0] if args else (kwargs or {}).get("tensors", ())
+            shapes = [list(t.shape) for t in joined if isinstance(t, nn.Parameter)]
+            if shapes:
+                self.calls.append(f"{func.__name__}{shapes}")
+        return func(*args, **(kwargs or {}))
+
+
+def _on_rank_parameter_joins():
+    """{case: the joins of parameters in one forward + backward of a TP model}, for k/v heads
+    split (4 over 2 ranks) and shared (1 over 2), each with the q/k/v bias."""
+    calls = {}
+    for nkv in (4, 1):
+        for overlap in (False, True):
+            config = ModelConfig(**{**BASE, "num_layers": 1}, num_kv_heads=nkv, qkv_bias=True)
+            model = Transformer(config, tp_group=dist.group.WORLD, overlap=overlap)
+            ids, labels = fixed_batch()
+            with _ParameterJoins() as joins:
+                model(ids, labels).backward()
+            calls[f"kv={nkv} overlap={overlap}"] = joins.calls
+    return calls
+
+
+def test_tp_attention_joins_no_parameters_per_call(pools):
+    """One qkv weight per rank, whatever the head layout: nothing concatenates q and k/v
+    weights (or biases) on every forward."""
+    for rank, calls in enumerate(pools(2).run(_on_rank_parameter_joins)):
+        joined = {case: c for case, c in calls.items() if c}
+        assert len(calls) == 4 and not joined, f"rank {rank}: parameters joined per call: {joined}"
 
 
 def _on_rank_bad_kv_heads(num_kv_heads):
