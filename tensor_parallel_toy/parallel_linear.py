@@ -342,7 +342,7 @@ class ColumnParallelLinear(_ParallelLinear):
     0, with `shared_tail=2`: when there are fewer k/v heads than ranks, the ranks sharing one
     split its g query heads and each holds its k and v, whose gradient they sum in backward
     (`comm.copy_shared_rows`). Either way the shard is one `[rows, in]` weight: one GEMM, whose
-    output `[s, b, rows]` the caller views as the local shape (`local_shape`). The layout is a
+    output `[s, b, rows]` the caller unflattens into its part of the shape. The layout is a
     `sharding.SplitView`, which checkpoints, full state dicts and the gradient norm read.
 
     `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
@@ -358,8 +358,8 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
                          standalone, view)
         p, r = self.tp_size, group_rank(tp_group)
-        self.local_shape = view.local_shape(p) if shaped else [out_features // p]
-        # Shared rows (k/v heads shared by several ranks): from which row, and which slot.
+        # Rows shared with other ranks (a k/v head's): from which row on, the slot of the
+        # ranks that share them, and how many such slots there are.
         self.shared = None if not shaped or view.first_shared_row(p) is None else \
             (view.first_shared_row(p), r // view.ranks_per_slice(p), view.shape[0])
 
@@ -399,8 +399,8 @@ def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=F
     as a whole (`Transformer` does, once; a bare block: `sharding.draw_full_weights_`), not per
     layer. Either way the output is `[..., rows]` with the rows in the same order."""
     if tp_group is None:
-        return nn.Linear(in_features, math.prod(out_features) if not isinstance(
-            out_features, int) else out_features, bias=bias)
+        rows = out_features if isinstance(out_features, int) else math.prod(out_features)
+        return nn.Linear(in_features, rows, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
                                 overlap=overlap, split_dim=split_dim, shared_tail=shared_tail,
                                 standalone=False)

@@ -72,11 +72,13 @@ class SplitView:
         if s and d == 0 and len(self.shape) > 1 and self.shared_tail and \
                 (self.shape[1] - self.shared_tail) % s == 0:
             return
-        raise ValueError(f"{name}={tuple(self.shape)} split along dim {d}: {n} is neither a "
-                         f"multiple of the tensor-parallel size {p} nor (with shared_tail "
-                         f"entries of dim 1 shared) a divisor of it whose ranks can split dim 1")
+        raise ValueError(f"{name}={tuple(self.shape)} split along dim {d} over the "
+                         f"tensor-parallel size {p}: {n} must be a multiple of {p}, or (dim 0, "
+                         f"shared_tail > 0) divide {p} into groups of ranks that split the rest "
+                         f"of dim 1 evenly")
 
     def local_shape(self, p):
+        """This rank's part of `shape` (the same on every rank)."""
         shape, s = list(self.shape), self.ranks_per_slice(p)
         shape[self.split_dim] = max(shape[self.split_dim] // p, 1)
         if s > 1:
@@ -301,7 +303,8 @@ def grad_norm(model, tp_group=None):
         if grad is None:
             continue
         view = tensor_parallel_view(layout)
-        counted = None if view is None or p == 1 else view.counted(rank, p).to(device)
+        shares = view is not None and view.ranks_per_slice(p) > 1
+        counted = view.counted(rank, p).to(device) if shares else None
         if isinstance(grad, DTensor):  # this DP rank's shard of it (and of its rows)
             if counted is not None:
                 counted = scatter_data_parallel(counted, grad).to_local()

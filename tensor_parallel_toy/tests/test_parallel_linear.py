@@ -19,7 +19,7 @@ from tensor_parallel_toy import (ColumnParallelLinear, RowParallelLinear, column
 from tensor_parallel_toy.initialize import current_device
 
 from .helpers import (BACKENDS, BATCH, DTYPES, FP32_TOL, SEQ, assert_bf16, assert_errors,
-                      max_rel_error, world)
+                      assert_one_line, max_rel_error, value_error_messages, world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,6 +315,22 @@ def test_column_layer_with_an_output_shape_matches_full_linear(pools, tp, layout
         assert_errors(per_rank, FP32_TOL, what)
     else:
         assert_bf16(per_rank, what)
+
+
+def _on_rank_shapes_two_ranks_cannot_split():
+    group = dist.group.WORLD
+    return value_error_messages({
+        shape: (lambda shape=shape, tail=tail: ColumnParallelLinear(
+            8, shape, tp_group=group, shared_tail=tail))
+        for shape, tail in (((3, 4, 2), 2), ((1, 5, 2), 2), ((1, 4, 2), 0))})
+
+
+def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
+    """3 k/v heads over 2 ranks; 1 k/v head whose 3 query heads 2 ranks cannot split; 1 k/v
+    head and nothing declared shared."""
+    for shape, message in pools(2).run(_on_rank_shapes_two_ranks_cannot_split)[0].items():
+        assert_one_line(message, [f"out_features={shape}", "tensor-parallel size 2"],
+                        f"out_features={shape}")
 
 
 def test_functional_ops_on_a_group_of_one_are_plain_linear():
