@@ -266,8 +266,8 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
     Shoeybi et al., arXiv:1909.08053, section 3, where `f` opens the MLP and the attention.
 
     A tensor that is the same on every rank and then used differently on each (the input of a
-    classic column-parallel layer, a norm weight applied to each rank's own rows or heads) gets
-    a partial gradient on each rank; the true gradient is their sum.
+    classic column-parallel layer, a weight whose rows each rank uses only in part) gets a
+    partial gradient on each rank; the true gradient is their sum.
     """
 
     @staticmethod
