@@ -118,7 +118,7 @@ class Attention(nn.Module):
         return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
 
     def forward(self, x, cos, sin):
-        g = self.q_per_kv
+        g = self.q_per_kv  # this rank's query heads per k/v head: g, or g / (p / nkv)
         qkv = self.qkv(x).unflatten(-1, (-1, g + 2, self.head_dim))  # [s, b, kv heads, g+2, hd]
         s, b = qkv.shape[:2]
         q = qkv[:, :, :, :g].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]

@@ -290,9 +290,10 @@ def grad_norm(model, tp_group=None):
     each rank: square-sum locally, then sum over the group; rows that several ranks hold (a
     `SplitView`'s shared tail, whose gradients were summed over them in backward) count on the
     first of them only. A replicated parameter has the same full gradient on every rank (its
-    sequence-parallel partial sums were added up in backward): count it once, not p times. Under `fully_shard` (root wrapped) every gradient is also split
-    over the data-parallel ranks, a DTensor: its squares are summed over the DP group first.
-    Call it before the gradients are cleared.
+    sequence-parallel partial sums were added up in backward): count it once, not p times.
+    Under `fully_shard` (root wrapped) every gradient is also split over the data-parallel
+    ranks, a DTensor: its squares are summed over the DP group first. Call it before the
+    gradients are cleared.
     """
     device = next(model.parameters()).device
     squares = torch.zeros(2, dtype=torch.float64, device=device)  # [TP-sharded, replicated]
@@ -319,7 +320,7 @@ def grad_norm(model, tp_group=None):
     return squares.sum().sqrt().item()
 
 
-__all__ = ["Layout", "SplitView", "full_shape", "gather_data_parallel", "grad_norm", "init_from_full_",
-           "init_std", "layout_of", "draw_full_weights_", "mark_init_std",
+__all__ = ["Layout", "SplitView", "full_shape", "gather_data_parallel", "grad_norm",
+           "init_from_full_", "init_std", "layout_of", "draw_full_weights_", "mark_init_std",
            "mark_tensor_parallel", "named_layouts", "record_layouts", "scatter_data_parallel",
            "shard", "tensor_parallel_dim", "tensor_parallel_view", "unshard"]
