@@ -298,6 +298,34 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+class _CopySharedRows(torch.autograd.Function):
+    """`f` for rows that only some ranks share: forward identity; backward all-reduce (sum) of
+    those rows' gradient over the ranks that hold them.
+
+    x `[n, ...]`: this rank's rows of a split weight, of which rows `first_shared:` are also
+    held by the other ranks of its slot, one of `num_slots` groups of p / num_slots ranks
+    (attention's k/v rows, when p / nkv ranks share each k/v head). Each of them uses its copy
+    for its own query heads only, so each has a partial gradient of it; the copy's true
+    gradient is the sum over the slot. Rather than one process group per slot, one all-reduce
+    over the whole group of a zero-padded `[num_slots, n - first_shared, ...]` buffer, in which
+    each rank fills its own slot: slot j of the sum is the sum over the ranks of slot j.
+    The rows before `first_shared` are this rank's alone, and their gradient is left as it is.
+    """
+
+    @staticmethod
+    def forward(ctx, x, first_shared, slot, num_slots, group):
+        ctx.first_shared, ctx.slot, ctx.num_slots, ctx.group = first_shared, slot, num_slots, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        own, shared = grad[:ctx.first_shared], grad[ctx.first_shared:]
+        slots = grad.new_zeros((ctx.num_slots, *shared.shape))
+        slots[ctx.slot] = shared
+        all_reduce_(slots, ctx.group)
+        return torch.cat([own, slots[ctx.slot]]), None, None, None, None
+
+
 def copy_to_tensor_parallel_region(x, group):
     """`f` (see _CopyToTensorParallelRegion)."""
     if group_size(group) == 1:
@@ -310,3 +338,10 @@ def reduce_from_tensor_parallel_region(x, group):
     if group_size(group) == 1:
         return x
     return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def copy_shared_rows(x, first_shared, slot, num_slots, group):
+    """`f` over the rows `first_shared:` of x, among the ranks of `slot` (see _CopySharedRows)."""
+    if group_size(group) == 1 or first_shared is None:
+        return x
+    return _CopySharedRows.apply(x, first_shared, slot, num_slots, group)

@@ -12,8 +12,9 @@ so every sequence shard is `Shard(0)` (PyTorch's examples use `[b, s, h]` and `S
     proj, fc2    RowwiseParallel   input features split; output reduce-scattered to Shard(0)
     head         ColwiseParallel   vocab split, logits stay a DTensor for `loss_parallel`
 
-The fused qkv weight is laid out head by head, so a Colwise row shard holds whole heads and the
-attention code's `view(s, b, -1, 3, head_dim)` works on the local shard unchanged.
+The fused qkv weight is laid out k/v head by k/v head (`[nkv, (g q heads, k, v), head_dim]`), so
+a Colwise row shard holds whole k/v heads with the query heads that read them, and the attention
+code's `unflatten(-1, (-1, g + 2, head_dim))` works on the local shard unchanged.
 
 The sequence-parallel trap. A replicated weight applied to sequence-sharded activations (the
 norms) gets a gradient that is only a partial sum over this rank's tokens: DTensor marks it
@@ -49,16 +50,12 @@ def transformer_plan(config):
         "head": ColwiseParallel(input_layouts=seq_shard, output_layouts=Shard(-1),
                                 use_local_output=False),  # DTensor logits for loss_parallel
     }
-    grouped = config.num_kv_heads != config.num_heads
     for i in range(config.num_layers):
         block = f"layers.{i}"
-        # Grouped-query attention has separate q and kv weights (kv rows laid out k/v head by
-        # k/v head): Colwise shards of both hold whole heads, as long as each rank gets at
-        # least one k/v head (checked by `check_transformer_plan`).
-        projections = ({f"{block}.attn.q": ColwiseParallel(), f"{block}.attn.kv": ColwiseParallel()}
-                       if grouped else {f"{block}.attn.qkv": ColwiseParallel()})
-        plan.update(projections)
         plan.update({
+            # Whole k/v heads with their query heads, as long as each rank gets at least one
+            # k/v head (checked by `check_transformer_plan`).
+            f"{block}.attn.qkv": ColwiseParallel(),
             f"{block}.attn_norm": SequenceParallel(sequence_dim=0),
             # Attention.forward(x, cos, sin): only x is an activation to gather.
             f"{block}.attn": PrepareModuleInput(input_layouts=(seq_shard, None, None),
@@ -80,7 +77,8 @@ def check_transformer_plan(config, tp_size):
                          "head each a new DTensor parameter, silently untying them; untie them "
                          "or leave the dtensor mode out")
     if config.mlp != "gelu":
-        raise ValueError(f"mlp={config.mlp!r}: this plan names the GELU MLP's fc1/fc2; for a "
+        raise ValueError(f"mlp={config.mlp!r}: this plan names the GELU MLP's fc1/fc2 (a "
+                         f"Colwise shard of gate_up would hold gate rows only); for a "
                          f"Llama-style model use parallelize_hf_model on the Hugging Face model")
     if config.qk_norm:
         raise ValueError("qk_norm=True: this plan has no style for the per-head norms, whose "

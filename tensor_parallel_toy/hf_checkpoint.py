@@ -12,14 +12,13 @@ layouts differ:
     Hugging Face                                  here
     model.embed_tokens.weight                     embed.weight
     layers.i.input_layernorm.weight               layers.i.attn_norm.weight
-    layers.i.self_attn.{q,k,v}_proj.{weight,bias}  layers.i.attn.qkv (num_kv_heads == num_heads:
-                                                  rows [heads, (q, k, v), head_dim]), or
-                                                  layers.i.attn.q and .kv (rows [kv heads,
-                                                  (k, v), head_dim])
+    layers.i.self_attn.{q,k,v}_proj.{weight,bias}  layers.i.attn.qkv.{weight,bias}, rows
+                                                  [kv heads, (g q heads, k, v), head_dim]
+                                                  (g = num_heads / num_kv_heads)
     layers.i.self_attn.o_proj.weight              layers.i.attn.proj.weight
     layers.i.self_attn.{q,k}_norm.weight          layers.i.attn.{q,k}_norm.weight (Qwen3)
     layers.i.post_attention_layernorm.weight      layers.i.mlp_norm.weight
-    layers.i.mlp.{gate,up}_proj.weight            layers.i.mlp.gate_up [2, f, h] (gate, up)
+    layers.i.mlp.{gate,up}_proj.weight            layers.i.mlp.gate_up.weight [2f, h] (gate, up)
     layers.i.mlp.down_proj.weight                 layers.i.mlp.down.weight
     model.norm.weight, lm_head.weight             norm.weight, head.weight
 
@@ -161,15 +160,16 @@ def _qkv_suffixes(config):
     return ("weight", "bias") if config.qkv_bias else ("weight",)
 
 
-def _interleave(parts, groups):
-    """[groups * d, ...] tensors -> one, rows grouped `[groups, part, d]` (a head's q, k, v)."""
-    return torch.stack([t.unflatten(0, (groups, -1)) for t in parts], dim=1).flatten(0, 2)
+def _group_heads(q, k, v, num_kv_heads):
+    """q `[nh * d, ...]`, k and v `[nkv * d, ...]` -> one tensor, rows `[nkv, (g q heads, k, v),
+    d]`: each k/v head after the g query heads that read it."""
+    return torch.cat([t.unflatten(0, (num_kv_heads, -1)) for t in (q, k, v)], dim=1).flatten(0, 1)
 
 
-def _split(fused, groups, n_parts):
-    """The inverse of `_interleave`: the `n_parts` tensors of rows `[groups * d, ...]`."""
-    return [t.flatten(0, 1).contiguous()
-            for t in fused.unflatten(0, (groups, n_parts, -1)).unbind(1)]
+def _ungroup_heads(qkv, num_kv_heads, g):
+    """The inverse of `_group_heads`: q, k and v, each in its own storage."""
+    grouped = qkv.unflatten(0, (num_kv_heads, g + 2, -1))
+    return [t.flatten(0, 2).contiguous() for t in grouped.split([g, 1, 1], dim=1)]
 
 
 def state_dict_from_hf(config: ModelConfig, hf_state_dict):
@@ -178,18 +178,13 @@ def state_dict_from_hf(config: ModelConfig, hf_state_dict):
     hf = hf_state_dict
     out = {ours: hf[theirs] for ours, theirs in _renamed(config)}
     out["head.weight"] = out["embed.weight"] if config.tie_embeddings else hf["lm_head.weight"]
-    nh, nkv = config.num_heads, config.num_kv_heads
     for i in range(config.num_layers):
         ours, theirs = _layer_names(i)
         for sfx in _qkv_suffixes(config):
             q, k, v = (hf[f"{theirs}self_attn.{x}_proj.{sfx}"] for x in "qkv")
-            if nkv == nh:
-                out[f"{ours}attn.qkv.{sfx}"] = _interleave([q, k, v], nh)
-            else:
-                out[f"{ours}attn.q.{sfx}"] = q
-                out[f"{ours}attn.kv.{sfx}"] = _interleave([k, v], nkv)
-        out[ours + "mlp.gate_up"] = torch.stack([hf[theirs + "mlp.gate_proj.weight"],
-                                                 hf[theirs + "mlp.up_proj.weight"]])
+            out[f"{ours}attn.qkv.{sfx}"] = _group_heads(q, k, v, config.num_kv_heads)
+        out[ours + "mlp.gate_up.weight"] = torch.cat([hf[theirs + "mlp.gate_proj.weight"],
+                                                      hf[theirs + "mlp.up_proj.weight"]])
     return out
 
 
@@ -218,17 +213,14 @@ def to_hf(config: ModelConfig, state_dict):
     sd = state_dict
     out = {theirs: sd[ours] for ours, theirs in _renamed(config)}
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["head.weight"]
-    nh, nkv = config.num_heads, config.num_kv_heads
+    nkv, g = config.num_kv_heads, config.num_heads // config.num_kv_heads
     for i in range(config.num_layers):
         ours, theirs = _layer_names(i)
         for sfx in _qkv_suffixes(config):
-            if nkv == nh:
-                q, k, v = _split(sd[f"{ours}attn.qkv.{sfx}"], nh, 3)
-            else:
-                q, (k, v) = sd[f"{ours}attn.q.{sfx}"], _split(sd[f"{ours}attn.kv.{sfx}"], nkv, 2)
+            q, k, v = _ungroup_heads(sd[f"{ours}attn.qkv.{sfx}"], nkv, g)
             for name, t in zip("qkv", (q, k, v)):
                 out[f"{theirs}self_attn.{name}_proj.{sfx}"] = t
-        gate, up = (t.clone() for t in sd[ours + "mlp.gate_up"].unbind(0))  # own storage
+        gate, up = (t.clone() for t in sd[ours + "mlp.gate_up.weight"].chunk(2))  # own storage
         out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = gate, up
     return out
 

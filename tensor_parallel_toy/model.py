@@ -30,14 +30,12 @@ import torch.nn.functional as F
 
 from .agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
 from .batch import check_batch
-from .comm import (copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                   group_rank, group_size)
+from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
-from .parallel_linear import column_parallel_or_plain, column_parallel_linear, row_parallel_or_plain
+from .parallel_linear import column_parallel_or_plain, row_parallel_or_plain
 from .rotary import apply_rotary, rotary_tables
 from .sharding import (draw_full_weights_, full_shape, gather_data_parallel, mark_init_std,
-                       mark_tensor_parallel, named_layouts, record_layouts, scatter_data_parallel,
-                       shard, unshard)
+                       named_layouts, record_layouts, scatter_data_parallel, shard, unshard)
 from .vocab_parallel import VocabParallelEmbedding, cross_entropy_of_shards
 
 
@@ -73,20 +71,17 @@ class Attention(nn.Module):
     """Causal attention, multi-head or grouped-query; under TP each rank owns num_heads/p whole
     query heads and the k/v heads they read.
 
-    Multi-head (num_kv_heads == num_heads): one fused `qkv` weight laid out head by head,
-    `[heads, (q, k, v), head_dim]` along its rows, so a contiguous row shard of it holds
-    complete q, k and v of a contiguous group of heads.
-
-    Grouped-query (GQA; MQA is num_kv_heads=1): a `q` weight `[heads * hd, h]` and a `kv` weight
-    laid out `[kv_heads, (k, v), hd]` along its rows; query head i reads k/v head i // g, with
-    g = num_heads / num_kv_heads. On rank r (query heads r*nh/p:(r+1)*nh/p):
-    - num_kv_heads >= p: `kv` is column-parallel like `q`: the rank's query heads read exactly
-      k/v heads r*nkv/p:(r+1)*nkv/p, which are its row shard.
-    - num_kv_heads < p: `kv` is replicated and the rank uses only k/v head r // (p/nkv). Its
-      gradient on each rank covers only that head and only that rank's query heads, so the
-      weight goes through `f` (backward: all-reduce) and every rank gets the full gradient.
-    Either way the q and k/v rows are concatenated into one weight, so one all-gather of the
-    input serves both GEMMs.
+    One `qkv` weight whose rows are laid out k/v head by k/v head, `[nkv, (g q heads, k, v),
+    hd]`, g = num_heads / num_kv_heads: query head i reads k/v head i // g, and the rows of a
+    k/v head's whole group sit together. Multi-head attention is g = 1, `[heads, (q, k, v),
+    hd]`; MQA is nkv = 1. On rank r:
+    - num_kv_heads >= p: a row shard holds nkv/p whole groups, k/v heads r*nkv/p:(r+1)*nkv/p
+      with exactly the query heads that read them.
+    - num_kv_heads < p: the p/nkv ranks of one k/v head split its g query heads and each holds
+      a copy of its k and v rows. Each copy's gradient covers only its rank's query heads, so
+      those rows are summed over the ranks that share them in backward (`comm.copy_shared_rows`,
+      inside `ColumnParallelLinear`) and counted once by the gradient norm.
+    Either way one all-gather of the input and one GEMM give this rank's q, k and v.
 
     head_dim need not be hidden_size / num_heads: the heads' features (nh * hd of them) are
     what the projections produce and `proj` consumes; p splits whole heads either way.
@@ -98,21 +93,12 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
         nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
-        self.head_dim, self.tp_group, self.overlap = hd, tp_group, overlap
-        self.grouped, self.window = nkv != nh, config.sliding_window
-        bias = config.qkv_bias  # laid out like the weight's rows, so it is split the same way
-        if not self.grouped:
-            self.qkv = column_parallel_or_plain(h, 3 * nh * hd, tp_group, overlap, bias)
-        else:
-            # Under TP only their weights are used (see _project); the baseline calls them.
-            self.q = column_parallel_or_plain(h, nh * hd, tp_group, overlap, bias)
-            if nkv >= p:
-                self.kv = column_parallel_or_plain(h, 2 * nkv * hd, tp_group, overlap, bias)
-                self.kv_rows = None
-            else:
-                self.kv = nn.Linear(h, 2 * nkv * hd, bias=bias)  # the same on every rank
-                head = group_rank(tp_group) // (p // nkv)
-                self.kv_rows = (head * 2 * hd, (head + 1) * 2 * hd)  # rows of k, v of that head
+        g = nh // nkv
+        self.head_dim, self.window = hd, config.sliding_window
+        self.q_per_kv = g // max(p // nkv, 1)  # this rank's query heads per k/v head it holds
+        # Bias rows are laid out like the weight's, so they are split (and shared) the same way.
+        self.qkv = column_parallel_or_plain(h, (nkv, g + 2, hd), tp_group, overlap,
+                                            config.qkv_bias, split_dim=0, shared_tail=2)
         self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
         mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
         # Replicated [hd] weights inside the TP region (each rank normalises only its own
@@ -121,30 +107,6 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps, tp_group)
             self.k_norm = RMSNorm(hd, config.norm_eps, tp_group)
-
-    def _project(self, x):
-        """x -> q [s, b, nh/p, hd], and k, v [s, b, nkv/p (or 1 when replicated), hd]."""
-        hd = self.head_dim
-        if not self.grouped:
-            qkv = self.qkv(x)  # [s, b, 3*nh*hd/p]
-            s, b, _ = qkv.shape
-            return qkv.view(s, b, -1, 3, hd).unbind(dim=3)  # [s, b, nh/p, hd] each
-        if self.tp_group is None:
-            q, kv = self.q(x), self.kv(x)  # [s, b, nh*hd], [s, b, 2*nkv*hd]
-        else:
-            kv_weight, kv_bias = self.kv.weight, self.kv.bias
-            if self.kv_rows is not None:
-                start, end = self.kv_rows
-                kv_weight = copy_to_tensor_parallel_region(kv_weight, self.tp_group)[start:end]
-                if kv_bias is not None:
-                    kv_bias = copy_to_tensor_parallel_region(kv_bias, self.tp_group)[start:end]
-            weight = torch.cat([self.q.weight, kv_weight])  # this rank's q rows, then k/v rows
-            bias = None if kv_bias is None else torch.cat([self.q.bias, kv_bias])
-            qkv = column_parallel_linear(x, weight, bias, self.tp_group, self.overlap)
-            q, kv = qkv.split([self.q.weight.shape[0], kv_weight.shape[0]], dim=-1)
-        s, b, _ = q.shape
-        k, v = kv.view(s, b, -1, 2, hd).unbind(dim=3)  # [s, b, kv heads here, hd] each
-        return q.view(s, b, -1, hd), k, v
 
     def _mask(self, s, device):
         """The attention mask's keywords for s positions: causal, or causal within the window.
@@ -156,15 +118,18 @@ class Attention(nn.Module):
         return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
 
     def forward(self, x, cos, sin):
-        q, k, v = self._project(x)
-        s, b = q.shape[:2]
+        g = self.q_per_kv  # this rank's query heads per k/v head: g, or g / (p / nkv)
+        qkv = self.qkv(x).unflatten(-1, (-1, g + 2, self.head_dim))  # [s, b, kv heads, g+2, hd]
+        s, b = qkv.shape[:2]
+        q = qkv[:, :, :, :g].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [s, b, kv heads here, hd] each
         if self.q_norm is not None:  # each head's q and k normalised, then rotated
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
-        # enable_gqa: query head i reads k/v head i // (q heads / k/v heads) of this rank.
+        # enable_gqa: query head i reads k/v head i // g of this rank.
         o = F.scaled_dot_product_attention(q, k, v, **self._mask(s, q.device),
-                                           enable_gqa=self.grouped)  # [b, nh/p, s, hd]
+                                           enable_gqa=g > 1)  # [b, nh/p, s, hd]
         o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
         return self.proj(o)  # [s/p, b, h]
 
@@ -185,25 +150,21 @@ class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, the MLP of Llama, Mistral and Qwen2.
 
     `gate` and `up` are both column-parallel, so they share one all-gather of x: they are one
-    parameter `gate_up` of full shape `[2, f, h]` (gate is [0], up is [1]), split along dim 1.
-    Rank r holds `[2, f/p, h]`, its gate rows then its up rows, which it reads as one
-    `[2f/p, h]` weight: one GEMM gives both halves, and silu(gate) * up multiplies features
-    that live on the same rank. `down` is row-parallel, like fc2.
+    layer `gate_up` whose output has the shape `(2, f)` (gate is [0], up is [1]), split along
+    f. Rank r's weight `[2f/p, h]` is its gate rows then its up rows: one GEMM gives both
+    halves, and silu(gate) * up multiplies features that live on the same rank. `down` is
+    row-parallel, like fc2.
     """
 
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        h, f, p = config.hidden_size, config.ffn_hidden_size, group_size(tp_group)
-        self.tp_group, self.overlap = tp_group, overlap
-        gate_up = nn.Parameter(torch.empty(2, f // p, h))  # drawn by reset_parameters
-        self.gate_up = mark_tensor_parallel(gate_up, 1) if tp_group is not None else gate_up
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.gate_up = column_parallel_or_plain(h, (2, f), tp_group, overlap, split_dim=1)
         self.down = row_parallel_or_plain(f, h, tp_group, overlap)
         mark_init_std(self.down.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
-        weight = self.gate_up.flatten(0, 1)  # [2f/p, h]: this rank's gate rows, then up rows
-        gate, up = column_parallel_linear(x, weight, None, self.tp_group,
-                                          self.overlap).chunk(2, dim=-1)  # [s, b, f/p] each
+        gate, up = self.gate_up(x).unflatten(-1, (2, -1)).unbind(-2)  # [s, b, f/p] each
         return self.down(F.silu(gate) * up)  # [s/p, b, h]
 
 

@@ -31,10 +31,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .agreement import check_ranks_agree, module_fingerprint
-from .comm import all_gather_seq, all_reduce_, group_size, reduce_scatter_seq
+from .comm import (all_gather_seq, all_reduce_, copy_shared_rows, group_rank, group_size,
+                   reduce_scatter_seq)
 from .config import check_divisible
 from .ring import Ring, ring_all_gather, ring_reduce_scatter
-from .sharding import init_from_full_, mark_tensor_parallel
+from .sharding import SplitView, init_from_full_, mark_tensor_parallel
 
 
 def _flat(t):
@@ -293,23 +294,26 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None, standalone=True):
+                 device=None, dtype=None, standalone=True, view=None):
         super().__init__()
         p = group_size(tp_group)
-        check_divisible("out_features" if split_dim == 0 else "in_features",
-                        (out_features, in_features)[split_dim], p)
+        if view is not None:
+            view.check(p)
+            out_rows = math.prod(view.local_shape(p))  # this rank's rows, the view's order
+        else:
+            check_divisible("out_features" if split_dim == 0 else "in_features",
+                            (out_features, in_features)[split_dim], p)
+            out_rows = out_features // p if split_dim == 0 else out_features
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
-        shape = [out_features, in_features]
-        shape[split_dim] //= p
+        shape = [out_rows, in_features // p if split_dim == 1 else in_features]
         self.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim)
+            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim, view)
         self.bias = None
-        if bias:
-            n_bias = out_features // p if split_dim == 0 else out_features
+        if bias:  # a column layer's bias is split with its rows; a row layer's is replicated
             self.bias = mark_tensor_parallel(
-                nn.Parameter(torch.zeros(n_bias, device=device, dtype=dtype)),
-                0 if split_dim == 0 else None)
+                nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype)),
+                0 if split_dim == 0 else None, view)
         if standalone:  # inside a model, the model draws its weights and compares its ranks, once
             # nn.Linear's default init of the *full* weight, of which this rank keeps its slice.
             bound = 1 / math.sqrt(in_features)
@@ -329,6 +333,18 @@ class ColumnParallelLinear(_ParallelLinear):
     """Input `[s/p, b, in]` (sequence shard) -> output `[s, b, out/p]` (feature shard).
 
     Weight shard `[out/p, in]` = rows r*out/p:(r+1)*out/p of the full weight; bias `[out/p]`.
+
+    `out_features` may be a shape, for outputs that are several things side by side: the full
+    weight is then `[prod(shape), in]`, its rows that shape flattened, and `split_dim` says
+    which dim of the shape is split over the ranks. SwiGLU's gate and up are `(2, f)` split
+    along 1: rank r holds its f/p gate rows, then its f/p up rows, `[2f/p, in]`. Attention's q,
+    k, v are `(nkv, g + 2, hd)` (per k/v head: its g query heads, then k, then v) split along
+    0, with `shared_tail=2`: when there are fewer k/v heads than ranks, the ranks sharing one
+    split its g query heads and each holds its k and v, whose gradient they sum in backward
+    (`comm.copy_shared_rows`). Either way the shard is one `[rows, in]` weight: one GEMM, whose
+    output `[s, b, rows]` the caller unflattens into its part of the shape. The layout is a
+    `sharding.SplitView`, which checkpoints, full state dicts and the gradient norm read.
+
     `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
     slice), and the ranks of tp_group compare a fingerprint of the layer (agreement.py), so a
     rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
@@ -336,12 +352,24 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None, standalone=True):
+                 split_dim=0, shared_tail=0, device=None, dtype=None, standalone=True):
+        shaped = not isinstance(out_features, int)
+        view = SplitView(tuple(out_features), split_dim, shared_tail) if shaped else None
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
-                         standalone)
+                         standalone, view)
+        p, r = self.tp_size, group_rank(tp_group)
+        # Rows shared with other ranks (a k/v head's): from which row on, the slot of the
+        # ranks that share them, and how many such slots there are.
+        self.shared = None if not shaped or view.first_shared_row(p) is None else \
+            (view.first_shared_row(p), r // view.ranks_per_slice(p), view.shape[0])
 
     def forward(self, x):
-        return column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
+        weight, bias = self.weight, self.bias
+        if self.shared is not None:
+            weight = copy_shared_rows(weight, *self.shared, self.tp_group)
+            if bias is not None:
+                bias = copy_shared_rows(bias, *self.shared, self.tp_group)
+        return column_parallel_linear(x, weight, bias, self.tp_group, self.overlap)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -365,14 +393,17 @@ class RowParallelLinear(_ParallelLinear):
 
 
 def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
-                             bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a ColumnParallelLinear for a
-    model that draws its weights and checks its ranks agree as a whole (`Transformer` does,
-    once; a bare block: `sharding.draw_full_weights_`), not per layer."""
+                             bias=False, split_dim=0, shared_tail=0):
+    """`nn.Linear` for the non-TP baseline (tp_group=None; a shaped `out_features` flattened),
+    else a ColumnParallelLinear for a model that draws its weights and checks its ranks agree
+    as a whole (`Transformer` does, once; a bare block: `sharding.draw_full_weights_`), not per
+    layer. Either way the output is `[..., rows]` with the rows in the same order."""
     if tp_group is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        rows = out_features if isinstance(out_features, int) else math.prod(out_features)
+        return nn.Linear(in_features, rows, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                overlap=overlap, standalone=False)
+                                overlap=overlap, split_dim=split_dim, shared_tail=shared_tail,
+                                standalone=False)
 
 
 def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,

@@ -39,8 +39,8 @@ SAME_LOSS_TOL = {"fp32": 1e-5, "bf16": 5e-3}
 def unsupported(config, p):
     """Why this config cannot be split by classic TP here, or None."""
     if config.mlp != "gelu":
-        return (f"mlp={config.mlp!r}: its gate and up weights are one parameter, not two "
-                f"nn.Linear layers that apply_tensor_parallel could split")
+        return (f"mlp={config.mlp!r}: its gate and up rows are one nn.Linear, gate then up, "
+                f"and apply_tensor_parallel's contiguous row shard would hold gate rows only")
     if config.num_kv_heads != config.num_heads and config.num_kv_heads % p:
         return (f"num_kv_heads={config.num_kv_heads} does not split over {p} ranks: classic TP "
                 f"needs whole k/v heads on every rank")
@@ -51,9 +51,9 @@ def classic_tp_model(model, tp_group):
     """The baseline `model`, its blocks' attention and MLP converted in place by
     `apply_tensor_parallel`; the embedding, the norms and the head stay whole (replicated)."""
     for block in model.layers:
-        # qkv's rows are laid out head by head, kv's k/v head by k/v head: row shards hold
-        # whole heads (with num_kv_heads % p == 0, see `unsupported`).
-        block.attn.tp_column = ("q", "kv") if block.attn.grouped else "qkv"
+        # qkv's rows are laid out k/v head by k/v head, each after its query heads: row
+        # shards hold whole groups (with num_kv_heads % p == 0, see `unsupported`).
+        block.attn.tp_column = "qkv"
         block.attn.tp_row = "proj"
         block.mlp.tp_column, block.mlp.tp_row = "fc1", "fc2"
     return apply_tensor_parallel(model, tp_group)

@@ -4,6 +4,8 @@ plan, DDP over our TP model. Checked against the baseline on the whole batch, al
 steps: the loss, every full gradient, the gradient norm, and every parameter afterwards; the
 model's weights are loaded into the *wrapped* model, and its gradients and state read back
 from it, so the parameter marks must have survived the wrapping."""
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,19 +22,21 @@ from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, mesh_2x2, rand
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                      ffn_hidden_size=96, max_seq_len=32, num_kv_heads=2)
+# One k/v head for two TP ranks: each holds a copy of its rows, which FSDP then splits too.
+MQA = dataclasses.replace(CONFIG, num_kv_heads=1, qkv_bias=True)
 GLOBAL_BATCH = 4
 STEPS = 2
 
 
-def _wrap(engine, kind, overlap, bf16):
+def _wrap(engine, kind, overlap, bf16, config):
     """The 2-D model: (wrapped, the Transformer inside it)."""
     mesh = mesh_2x2()
     if kind == "ours":
         # Another seed than the baseline's: loading the baseline's weights into the wrapped
         # model (below) must be what makes them equal.
-        model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), overlap=overlap, seed=1)
+        model = Transformer(config, tp_group=mesh["tp"].get_group(), overlap=overlap, seed=1)
     else:
-        model = dtensor_tp.parallelize_transformer(Transformer(CONFIG, seed=0), mesh["tp"])
+        model = dtensor_tp.parallelize_transformer(Transformer(config, seed=0), mesh["tp"])
     if engine == "ddp":
         wrapped = apply_ddp(model, mesh)
         return wrapped, wrapped.module
@@ -41,12 +45,12 @@ def _wrap(engine, kind, overlap, bf16):
     return apply_fsdp(model, mesh, mp_policy=policy), model
 
 
-def _on_rank_engine(engine, kind, overlap, seq, bf16=False):
+def _on_rank_engine(engine, kind, overlap, seq, bf16=False, config=CONFIG):
     """The 2-D model trained beside the baseline (helpers.train_beside_baseline), each DP rank
     on its half of every global batch; loss, gradients and norm read from the wrapped model."""
-    wrapped, model = _wrap(engine, kind, overlap, bf16)
+    wrapped, model = _wrap(engine, kind, overlap, bf16, config)
     if kind == "ours":
-        model.load_full_state_dict(Transformer(CONFIG, seed=0).state_dict())
+        model.load_full_state_dict(Transformer(config, seed=0).state_dict())
     dp_group, tp_group = mesh_2x2()["dp"].get_group(), mesh_2x2()["tp"].get_group()
 
     def step(ids, labels, base):
@@ -70,12 +74,12 @@ def _on_rank_engine(engine, kind, overlap, seq, bf16=False):
 
     def batch_of(step):
         ignore = 0.4 if kind == "ours" else 0.0
-        ids, labels = random_batch(CONFIG, GLOBAL_BATCH, seq, seed=step, ignore_frac=ignore)
+        ids, labels = random_batch(config, GLOBAL_BATCH, seq, seed=step, ignore_frac=ignore)
         if kind == "ours":  # uneven token counts on the two DP halves
             labels[:GLOBAL_BATCH // 2, : seq // 2] = -100
         return ids, labels
 
-    return train_beside_baseline(CONFIG, step, params, wrapped.parameters(), steps=STEPS,
+    return train_beside_baseline(config, step, params, wrapped.parameters(), steps=STEPS,
                                  batch_of=batch_of, bf16=bf16)
 
 
@@ -93,6 +97,16 @@ def test_2x2_engine_over_tensor_parallel_matches_baseline_on_the_whole_batch(
     n_params = len(dict(Transformer(CONFIG).named_parameters()))
     assert counts == {n_params}, f"compared {counts} gradients, the model has {n_params}"
     assert_errors(per_rank, MODEL_FP32_TOL, f"2x2 {engine} x {kind} TP, overlap={overlap}")
+
+
+def test_2x2_fsdp_over_tensor_parallel_with_a_shared_k_v_head_matches_baseline(pools):
+    """MQA: the TP pair shares one k/v head (its rows summed over the pair in backward, counted
+    once by the norm), and FSDP splits each TP rank's rows, shared ones included, over dp."""
+    per_rank = pools(4).run(_on_rank_engine, "fsdp", "ours", True, 7, config=MQA)
+    counts = {errors.pop("#grads") for errors in per_rank}
+    n_params = len(dict(Transformer(MQA).named_parameters()))
+    assert counts == {n_params}, f"compared {counts} gradients, the model has {n_params}"
+    assert_errors(per_rank, MODEL_FP32_TOL, "2x2 fsdp x ours, one k/v head for two TP ranks")
 
 
 def test_2x2_fsdp_bf16_mixed_precision_is_as_close_as_single_device_bf16(pools):

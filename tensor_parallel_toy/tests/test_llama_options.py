@@ -44,11 +44,11 @@ def test_swiglu_and_qkv_bias_model_matches_baseline(pools, name, change, tp, ove
 
 
 def test_swiglu_baseline_is_down_of_silu_gate_times_up():
-    """The fused [2, f, h] weight is gate ([0]) and up ([1]): checked against the formula
-    written out with separate weights."""
+    """The fused [2f, h] weight is gate (its first f rows) then up: checked against the
+    formula written out with separate weights."""
     model = Transformer(LLAMA, seed=1)
     mlp, x = model.layers[0].mlp, torch.randn(5, 2, LLAMA.hidden_size)
-    gate, up = mlp.gate_up[0], mlp.gate_up[1]
+    gate, up = mlp.gate_up.weight.chunk(2)
     want = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), mlp.down.weight)
     err = max_rel_error(mlp(x), want)
     assert err <= 1e-6, f"SwiGLU vs its formula: {err:.3g}"

@@ -19,7 +19,7 @@ from tensor_parallel_toy import (ColumnParallelLinear, RowParallelLinear, column
 from tensor_parallel_toy.initialize import current_device
 
 from .helpers import (BACKENDS, BATCH, DTYPES, FP32_TOL, SEQ, assert_bf16, assert_errors,
-                      max_rel_error, world)
+                      assert_one_line, max_rel_error, value_error_messages, world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,6 +246,91 @@ def _on_rank_standalone_init(seed):
 def test_standalone_layers_are_shards_of_one_layer_initialised_like_pytorch(pools, tp):
     # nn.Linear's bound comes from kaiming_uniform_'s gain formula: equal up to float round-off.
     assert_errors(pools(tp).run(_on_rank_standalone_init, 11), 1e-6, f"standalone init tp={tp}")
+
+
+def _on_rank_check_shaped_column(out_shape, split_dim, shared_tail, dtype_name, strided):
+    """A ColumnParallelLinear with an output shape, against F.linear with the full weight:
+    output, input gradient, weight and bias gradients, at this rank's rows of each
+    (`SplitView.rows`). Rows that several ranks hold (shared k/v) stand for one output used by
+    all of them: each rank gets a different share of that output's gradient, the shares
+    summing to it, and each must end with the full weight gradient of those rows."""
+    from tensor_parallel_toy.sharding import tensor_parallel_view
+
+    group, p, r = world()
+    dtype, dev = DTYPES[dtype_name], current_device()
+    x, w, b, dy = _linear_case(24, math.prod(out_shape), dtype, bias=True)[0]
+    layer = ColumnParallelLinear(24, out_shape, tp_group=group, bias=True, split_dim=split_dim,
+                                 shared_tail=shared_tail, device=dev, dtype=dtype)
+    view = tensor_parallel_view(layer.weight)
+    rows = view.rows(r, p)
+    share = torch.ones(len(rows), dtype=dtype)  # this rank's share of each row's gradient
+    k = view.ranks_per_slice(p)
+    if k > 1:  # rank i of a slice: (i + 1) / (1 + 2 + ... + k) of the shared rows' gradient
+        share[view.first_shared_row(p):] = (r % k + 1) / (k * (k + 1) / 2)
+    with torch.no_grad():
+        layer.weight.copy_(w[rows]), layer.bias.copy_(b[rows])
+    x_leaf = x.chunk(p)[r].to(dev).requires_grad_()
+    dy_in = (dy[..., rows].float() * share).to(dev, dtype)
+    x_in = x_leaf
+    if strided:
+        x_leaf, x_in = _batch_first_view(x_leaf)
+        dy_in = _batch_first_view(dy_in)[1]
+        assert not x_in.is_contiguous() and not dy_in.is_contiguous()
+    y = layer(x_in)
+    y.backward(dy_in)
+    dx = x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
+    got = {"y": y, "dx": dx, "dw": layer.weight.grad, "db": layer.bias.grad}
+    want = {"y": lambda t: t[..., rows], "dx": lambda t: t.chunk(p)[r],
+            "dw": lambda t: t[rows], "db": lambda t: t[rows]}
+
+    def plain(t_dtype):
+        leaves = [t.to(t_dtype).requires_grad_() for t in (x, w, b)]
+        out = F.linear(*leaves)
+        out.backward(dy.to(t_dtype))
+        return {"y": out, "dx": leaves[0].grad, "dw": leaves[1].grad, "db": leaves[2].grad}
+
+    ref = plain(torch.float64)
+    if dtype == torch.float32:
+        return {k: max_rel_error(v, want[k](ref[k])) for k, v in got.items()}
+    single = plain(dtype)  # the same layer on one device in bf16: the error to compare with
+    return {k: (max_rel_error(v, want[k](ref[k])), max_rel_error(want[k](single[k]),
+                                                                 want[k](ref[k])))
+            for k, v in got.items()}
+
+
+# (output shape, split dim, shared tail): gate/up (2, f) split along f; q, k, v of 4 k/v heads
+# with 3 query heads each, split along the k/v heads; MQA's one k/v head with 4 query heads,
+# its k and v shared by every rank.
+SHAPED = {"gate-up": ((2, 12), 1, 0), "gqa": ((4, 5, 3), 0, 2), "mqa": ((1, 6, 3), 0, 2)}
+
+
+@pytest.mark.parametrize("case", ["fp32-strided", "bf16"])
+@pytest.mark.parametrize("layout", list(SHAPED))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_layer_with_an_output_shape_matches_full_linear(pools, tp, layout, case):
+    dtype, strided = case.split("-")[0], case.endswith("strided")
+    per_rank = pools(tp).run(_on_rank_check_shaped_column, *SHAPED[layout], dtype, strided)
+    what = f"column {SHAPED[layout]} tp={tp} {case}"
+    if dtype == "fp32":
+        assert_errors(per_rank, FP32_TOL, what)
+    else:
+        assert_bf16(per_rank, what)
+
+
+def _on_rank_shapes_two_ranks_cannot_split():
+    group = dist.group.WORLD
+    return value_error_messages({
+        shape: (lambda shape=shape, tail=tail: ColumnParallelLinear(
+            8, shape, tp_group=group, shared_tail=tail))
+        for shape, tail in (((3, 4, 2), 2), ((1, 5, 2), 2), ((1, 4, 2), 0))})
+
+
+def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
+    """3 k/v heads over 2 ranks; 1 k/v head whose 3 query heads 2 ranks cannot split; 1 k/v
+    head and nothing declared shared."""
+    for shape, message in pools(2).run(_on_rank_shapes_two_ranks_cannot_split)[0].items():
+        assert_one_line(message, [f"out_features={shape}", "tensor-parallel size 2"],
+                        f"out_features={shape}")
 
 
 def test_functional_ops_on_a_group_of_one_are_plain_linear():

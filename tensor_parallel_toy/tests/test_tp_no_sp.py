@@ -55,7 +55,7 @@ def test_a_loss_that_is_not_the_baselines_is_refused_with_the_numbers():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"mlp": "swiglu"}, ["mlp='swiglu'", "one parameter"]),
+    ({"mlp": "swiglu"}, ["mlp='swiglu'", "gate rows only"]),
     ({"num_kv_heads": 1}, ["num_kv_heads=1", "2 ranks"]),
 ])
 def test_configs_classic_tp_cannot_split_are_named(kwargs, words):
