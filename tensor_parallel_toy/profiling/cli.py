@@ -216,7 +216,8 @@ def _check_hf_dtensor(config, tp):
         raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
                          "requirements.txt), or leave it out of --modes")
     dtensor_tp.check_hf_plan(types.SimpleNamespace(
-        tie_word_embeddings=config.tie_embeddings, num_attention_heads=config.num_heads,
+        model_type="llama", tie_word_embeddings=config.tie_embeddings,
+        num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, intermediate_size=config.ffn_hidden_size,
         vocab_size=config.vocab_size, hidden_size=config.hidden_size), tp)
 
