@@ -201,7 +201,8 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
         cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
         setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
     record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
-    watch_replicated_gradients(model, tp_group, check_replicated_grads)
+    model.replicated_grads_watch = watch_replicated_gradients(model, tp_group,
+                                                              check_replicated_grads)
     return model
 
 

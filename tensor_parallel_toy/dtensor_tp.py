@@ -110,7 +110,8 @@ def parallelize_transformer(model, tp, device_type="cpu", *, check_replicated_gr
     check_transformer_plan(model.config, mesh.size())
     check_every_option(check_replicated_grads)
     model = parallelize_module(model, mesh, transformer_plan(model.config))
-    watch_replicated_gradients(model, mesh.get_group(), check_replicated_grads)
+    model.replicated_grads_watch = watch_replicated_gradients(model, mesh.get_group(),
+                                                              check_replicated_grads)
     return model
 
 
@@ -312,7 +313,8 @@ def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads=None):
                                          check_replicated_grads=check_replicated_grads),
                       group, "Hugging Face models")
     hf_model = parallelize_module(hf_model, tp_mesh, plan)
-    watch_replicated_gradients(hf_model, group, check_replicated_grads)
+    hf_model.replicated_grads_watch = watch_replicated_gradients(hf_model, group,
+                                                                 check_replicated_grads)
     return hf_model
 
 

@@ -179,11 +179,11 @@ def _raise_for(name, rows, n_differ, n, p):
 
 class ReplicatedGradientsWatch:
     """The hooks of `watch_replicated_gradients`: `backwards` (seen), `checks` (run),
-    `remove()`."""
+    `compared` (parameters compared by the last check), `remove()`."""
 
     def __init__(self, model, tp_group, every):
         self.model, self.tp_group, self.every = model, tp_group, every
-        self.backwards = self.checks = 0
+        self.backwards = self.checks = self.compared = 0
         self._queued = False
         self._handles = [model.register_forward_pre_hook(self._on_forward_start),
                          model.register_forward_hook(self._on_forward_end)]
@@ -219,7 +219,7 @@ class ReplicatedGradientsWatch:
         self.checks += 1
         if self.every == "first":
             self.remove()  # nothing left to do: the hooks cost nothing from here on
-        check_replicated_gradients(self.model, self.tp_group)
+        self.compared = check_replicated_gradients(self.model, self.tp_group)
 
 
 def _first_tensor_requiring_grad(output):
