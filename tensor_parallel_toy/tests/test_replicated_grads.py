@@ -160,3 +160,37 @@ def test_the_guard_is_silent_on_correct_models_and_compares_their_replicated_wei
             # DTensor); after it, 2 layers x 4 norms + the final norm are compared.
             assert compared[f"qwen3 partial, step {step}"] == 0, compared
             assert compared[f"qwen3 reduced, step {step}"] == 9, compared
+
+
+def _on_rank_different_options():
+    """Rank 0 asks for the guard, rank 1 does not: refused at construction, on every rank (a
+    guard on one rank only would leave it alone in the check's collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.agreement import RanksDisagreeError
+    from tensor_parallel_toy.model import Transformer
+
+    group = dist.group.WORLD
+    option = "first" if dist.get_rank() == 0 else None
+    messages = {}
+    builders = {"ours": lambda: Transformer(CONFIG, tp_group=group, check_replicated_grads=option),
+                "hf": lambda: dtensor_tp.parallelize_hf_model(
+                    _tiny_qwen3(), DeviceMesh.from_group(group, "cpu"),
+                    check_replicated_grads=option)}
+    for name, build in builders.items():
+        try:
+            build()
+            messages[name] = None
+        except RanksDisagreeError as e:
+            messages[name] = str(e)
+    dist.barrier()
+    return messages
+
+
+def test_ranks_asking_for_different_guards_are_refused_at_construction(pools):
+    pytest.importorskip("transformers")
+    for messages in pools(2).run(_on_rank_different_options):
+        for name, message in messages.items():
+            assert message is not None and "check_replicated_grads: first on rank 0, None on " \
+                "rank 1" in message, f"{name}: {message!r}"
