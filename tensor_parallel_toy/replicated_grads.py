@@ -32,9 +32,9 @@ Which parameters are compared: those no rank splits, read from the metadata (sha
 `tensor_parallel_dim`) and, for DTensor parameters, from the placement on the TP group's mesh
 dimension. A DTensor gradient placed `Partial()` (the sequence-parallel norms of a DTensor plan
 before `reduce_partial_grads`) is left out: DTensor knows it is partial and sums it when it is
-read; the trap is a parameter nobody knows about. A DTensor on another mesh (FSDP's
-data-parallel shards of our model) is compared by its local shard, the same one on every TP
-rank of a data-parallel coordinate.
+read; the trap is a parameter nobody knows about. A DTensor on a mesh without the TP group
+(FSDP's data-parallel shards of our model) is compared by its local shard, the same one on every
+TP rank of a data-parallel coordinate.
 
 `watch_replicated_gradients(model, tp_group, every)` runs the check at the end of a backward
 through `model`: after the first one (`every="first"`), or after backwards 1, N+1, 2N+1, ...
@@ -42,7 +42,9 @@ through `model`: after the first one (`every="first"`), or after backwards 1, N+
 `dtensor_tp.parallelize_transformer` and `dtensor_tp.parallelize_hf_model` take it as their
 `check_replicated_grads` option (off by default). Every rank of the group must watch with the
 same `every` and the same parameter names, or the ranks' collectives do not pair (the
-`Transformer` compares the option with the rest of its construction fingerprint).
+`Transformer` compares the option with the rest of its construction fingerprint). The watch
+is for 1-D TP: under FSDP2 its end-of-backward check would run before FSDP2's own
+end-of-backward work (call `check_replicated_gradients` after backward there instead).
 """
 import math
 
