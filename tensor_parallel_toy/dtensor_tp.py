@@ -30,6 +30,8 @@ a real architecture with the same weights (`from_hf` / `to_hf` convert them). Th
 every parameter of the families it accepts or refuses the model (`check_plan_covers`): a
 parameter it leaves out would stay a plain per-rank tensor, and its gradient a partial sum.
 """
+import fnmatch
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -281,10 +283,14 @@ def check_plan_covers(model, plan):
     (module name -> style) neither shards nor makes a replicated DTensor. Such a parameter
     would stay a plain tensor on each rank, applied to this rank's part of the data: its
     gradient a partial sum, different on each rank, with no error anywhere."""
+    # parallelize_module also takes fnmatch patterns ("model.layers.*.mlp") as keys.
+    patterns = {key: style for key, style in plan.items() if any(c in key for c in "*?[")}
     for name, module in model.named_modules():
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and not isinstance(plan.get(name), _PARAMETER_STYLES):
-            style = type(plan[name]).__name__ if name in plan else "no entry"
+        styles = [plan[name]] if name in plan else []
+        styles += [style for key, style in patterns.items() if fnmatch.fnmatchcase(name, key)]
+        if own and not any(isinstance(style, _PARAMETER_STYLES) for style in styles):
+            style = ", ".join(type(s).__name__ for s in styles) or "no entry"
             raise ValueError(
                 f"{name} ({type(module).__name__}, parameters {', '.join(own)}) is not covered "
                 f"by the plan ({style}): its weights would stay plain per-rank tensors with "

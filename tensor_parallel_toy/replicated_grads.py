@@ -15,8 +15,8 @@ five float64s,
 
     [has a gradient, ||g||, sum_i g_i, sum_i g_i cos(i phi), sum_i g_i sin(i phi)]
 
-(phi the golden angle's fraction, so the weights differ at every position and a gradient moved
-or permuted changes the digest), and the ranks all-gather the digests: 40 bytes per parameter
+(phi = 0.618..., the golden ratio's fractional part, in radians: the weights differ at every
+position, so a gradient whose entries are moved or permuted changes the digest), and the ranks all-gather the digests: 40 bytes per parameter
 per rank. Every rank then reaches the same verdict from the same numbers, so a disagreement
 raises on every rank, naming the first parameter whose ranks differ.
 

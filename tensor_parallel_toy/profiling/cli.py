@@ -107,10 +107,11 @@ def build_parser():
                    help="NCCL only: run NCCL's internal CUDA streams (where the ring's transfers "
                         "and asynchronous collectives run) at high priority, so their kernels "
                         "are scheduled ahead of the GEMMs' (default: normal priority, as torch)")
-    p.add_argument("--check-replicated-grads", default="first", metavar="first|off|N",
-                   help="the TP modes' check that every replicated weight's gradient is the "
-                        "same on every TP rank: after the first backward (first, the default), "
-                        "after every N-th backward, or off; 1-D runs only")
+    guard = "off" if d.check_replicated_grads is None else str(d.check_replicated_grads)
+    p.add_argument("--check-replicated-grads", default=guard, metavar="first|off|N",
+                   help=f"the TP modes' check that every replicated weight's gradient is the "
+                        f"same on every TP rank: after the first backward (first), after "
+                        f"every N-th backward, or off (default {guard}); 1-D runs only")
     p.add_argument("--trace", action="store_true",
                    help="also export a torch.profiler Chrome trace of one step per TP mode")
     p.add_argument("--link", default=None, metavar="RATE", help="Linux, as root: run each TP "

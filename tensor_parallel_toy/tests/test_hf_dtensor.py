@@ -153,3 +153,28 @@ def test_hf_plan_refuses_what_it_cannot_split():
     config.tie_word_embeddings = True
     with pytest.raises(ValueError, match=r"tie_word_embeddings=True"):
         dtensor_tp.check_hf_plan(config, 2)
+
+
+def test_plan_coverage_names_the_first_uncovered_module_and_reads_patterns():
+    """check_plan_covers on its own (no collective): Qwen3 under the Llama plan misses its q/k
+    norms; the same entries given as fnmatch patterns, as parallelize_module accepts, cover
+    them; a PrepareModuleInput entry alone does not."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    from tensor_parallel_toy import dtensor_tp
+
+    _transformers()
+    model = tiny_hf_model("qwen3")
+    config = model.config
+    config.model_type = "llama"
+    plan = dtensor_tp.hf_plan(config)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_norm \(Qwen3RMSNorm, "
+                                         r"parameters weight\) is not covered by the plan "
+                                         r"\(no entry\)[^\n]*$"):
+        dtensor_tp.check_plan_covers(model, plan)
+    norms = {f"model.layers.*.self_attn.{n}_norm": SequenceParallel(sequence_dim=2) for n in "qk"}
+    dtensor_tp.check_plan_covers(model, {**plan, **norms})
+    plan["model.layers.0.self_attn.k_norm"] = PrepareModuleInput()
+    with pytest.raises(ValueError, match=r"k_norm [^\n]*\(PrepareModuleInput\)"):
+        dtensor_tp.check_plan_covers(model, {**plan, "model.layers.*.self_attn.q_norm":
+                                             SequenceParallel(sequence_dim=2)})
