@@ -44,7 +44,8 @@ through `model`: after the first one (`every="first"`), or after backwards 1, N+
 same `every` and the same parameter names, or the ranks' collectives do not pair (the
 `Transformer` compares the option with the rest of its construction fingerprint). The watch
 is for 1-D TP: under FSDP2 its end-of-backward check would run before FSDP2's own
-end-of-backward work (call `check_replicated_gradients` after backward there instead).
+end-of-backward work: call `check_replicated_gradients` after backward there instead (it
+compares the data-parallel shards, tested on a 2 x 2 grid).
 """
 import math
 

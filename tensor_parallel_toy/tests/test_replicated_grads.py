@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tensor_parallel_toy.config import ModelConfig
 
-from .helpers import CONFIG, fixed_batch
+from .helpers import CONFIG, fixed_batch, mesh_2x2
 
 QK_CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=4,
                         num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, mlp="swiglu",
@@ -194,3 +194,41 @@ def test_ranks_asking_for_different_guards_are_refused_at_construction(pools):
         for name, message in messages.items():
             assert message is not None and "check_replicated_grads: first on rank 0, None on " \
                 "rank 1" in message, f"{name}: {message!r}"
+
+
+def _on_rank_fsdp():
+    """Our model under FSDP2 over a 2 x 2 grid, the check called after backward, with and
+    without the norms' `f`: (parameters compared or None, the message or None)."""
+    from tensor_parallel_toy import model as model_module
+    from tensor_parallel_toy.data_parallel import apply_fsdp, data_parallel_loss, split_batch
+    from tensor_parallel_toy.model import Transformer
+    from tensor_parallel_toy.replicated_grads import (ReplicatedGradientsDisagreeError,
+                                                      check_replicated_gradients)
+
+    mesh = mesh_2x2()
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+    ids, labels = fixed_batch()
+    ids, labels = split_batch(ids, dp), split_batch(labels, dp)
+    original, out = model_module.copy_to_tensor_parallel_region, {}
+    for case in ("correct", "without f"):
+        if case == "without f":
+            model_module.copy_to_tensor_parallel_region = lambda x, group: x
+        try:
+            model = apply_fsdp(Transformer(CONFIG, tp_group=tp, seed=0), mesh)
+            data_parallel_loss(model, ids, labels, dp).backward()
+            out[case] = (check_replicated_gradients(model, tp), None)
+        except ReplicatedGradientsDisagreeError as e:
+            out[case] = (None, str(e))
+        finally:
+            model_module.copy_to_tensor_parallel_region = original
+    dist.barrier()
+    return out
+
+
+def test_the_check_after_backward_compares_fsdp2_shards_over_tp(pools):
+    """Under FSDP2 each TP rank of a data-parallel coordinate holds the same shard of a norm
+    weight: the check compares those shards, silent when right, firing without the `f`."""
+    for out in pools(4).run(_on_rank_fsdp):
+        assert out["correct"] == (5, None), out
+        assert out["without f"][1] is not None and "'layers.0.attn_norm.weight'" in \
+            out["without f"][1], out
