@@ -42,10 +42,10 @@ through `model`: after the first one (`every="first"`), or after backwards 1, N+
 `dtensor_tp.parallelize_transformer` and `dtensor_tp.parallelize_hf_model` take it as their
 `check_replicated_grads` option (off by default). Every rank of the group must watch with the
 same `every` and the same parameter names, or the ranks' collectives do not pair (the
-`Transformer` compares the option with the rest of its construction fingerprint). The watch
-is for 1-D TP: under FSDP2 its end-of-backward check would run before FSDP2's own
-end-of-backward work: call `check_replicated_gradients` after backward there instead (it
-compares the data-parallel shards, tested on a 2 x 2 grid).
+`Transformer` compares the option with the rest of its construction fingerprint). Under FSDP2
+call `check_replicated_gradients` after backward (it compares the data-parallel shards, tested
+on a 2 x 2 grid): the watch's end-of-backward callback is not ordered against FSDP2's own
+end-of-backward work (on a GPU, the gradient reduce-scatters on FSDP2's streams).
 """
 import math
 

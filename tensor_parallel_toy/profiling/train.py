@@ -54,8 +54,8 @@ def mesh_2d(dp, tp, device_type):
 def build_model(mode, config, group, device, dtype, seed, mesh=None, check_replicated_grads=None):
     """`group`: the TP group (1-D). `mesh`: the 2-D ("dp", "tp") grid, or None; given, the TP
     modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`.
-    `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its check
-    runs at the end of backward, before FSDP2's own end-of-backward work."""
+    `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its
+    end-of-backward check is not ordered against FSDP2's own end-of-backward work."""
     guard = check_replicated_grads if mesh is None else None
     if mode == "baseline":
         return Transformer(config, seed=seed).to(device, dtype)
