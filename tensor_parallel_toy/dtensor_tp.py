@@ -292,7 +292,8 @@ def check_plan_covers(model, plan):
         if own and not any(isinstance(style, _PARAMETER_STYLES) for style in styles):
             style = ", ".join(type(s).__name__ for s in styles) or "no entry"
             raise ValueError(
-                f"{name} ({type(module).__name__}, parameters {', '.join(own)}) is not covered "
+                f"{name or 'the model itself'} ({type(module).__name__}, parameters "
+                f"{', '.join(own)}) is not covered "
                 f"by the plan ({style}): its weights would stay plain per-rank tensors with "
                 f"partial gradients; give it a ColwiseParallel, RowwiseParallel or "
                 f"SequenceParallel entry, or use a supported model")
@@ -301,8 +302,8 @@ def check_plan_covers(model, plan):
 def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads=None):
     """Shard a Hugging Face Llama / Mistral / Qwen2 / Qwen3 `...ForCausalLM` in place over the
     1-D `tp_mesh` with PyTorch's tensor + sequence parallel styles (plan above). Every rank
-    must pass the same full model (the ranks compare a fingerprint of it, and of the options,
-    in one tiny all-gather). Feed it `pad_to_tp_size(...)` batches, take the loss with
+    must pass the same full model (the ranks compare its parameter shapes and dtypes, and the
+    options, in one tiny all-gather). Feed it `pad_to_tp_size(...)` batches, take the loss with
     `hf_loss_and_backward`, and call `reduce_partial_grads` before reading gradients.
 
     Refused in one line before any collective: another model type, tied embeddings, sizes the
