@@ -30,7 +30,7 @@ class RanksDisagreeError(ValueError):
     """The ranks of a group built different models or were given different batches."""
 
 
-def _digest(fields):
+def digest(fields):
     """A 64-bit digest of the fields' names and values that is the same in every process
     (Python's own hash() of a string is salted per process)."""
     text = repr(sorted((str(k), repr(v)) for k, v in fields.items()))
@@ -38,7 +38,7 @@ def _digest(fields):
                           signed=True)
 
 
-def _by_value(values):
+def by_value(values):
     """[value of rank 0, value of rank 1, ...] -> "32 on rank 0, 64 on ranks 1, 2"."""
     ranks, shown = {}, {}
     for rank, value in enumerate(values):
@@ -69,14 +69,14 @@ def check_ranks_agree(fields, group, what):
     p = group_size(group)
     if p == 1:
         return
-    mine = torch.tensor([_digest(fields)], dtype=torch.int64, device=group_device(group))
+    mine = torch.tensor([digest(fields)], dtype=torch.int64, device=group_device(group))
     digests = all_gather_dim(mine, 0, group).tolist()  # [p]
     if len(set(digests)) == 1:
         return
     every = all_gather_objects(dict(fields), group)  # only on a mismatch
     names = list(dict.fromkeys(name for f in every for name in f))  # the first rank's order
     differ = [n for n in names if len({repr(f.get(n, "<absent>")) for f in every}) > 1]
-    shown = "; ".join(f"{n}: {_by_value([f.get(n, '<absent>') for f in every])}"
+    shown = "; ".join(f"{n}: {by_value([f.get(n, '<absent>') for f in every])}"
                       for n in differ[:_SHOWN_FIELDS])
     more = f" (and {len(differ) - _SHOWN_FIELDS} more)" if len(differ) > _SHOWN_FIELDS else ""
     raise RanksDisagreeError(f"the {p} ranks of the tensor-parallel group built different "
@@ -139,13 +139,13 @@ def agree_on_batch(batch, group, same_batch):
             if len(set(shapes)) > 1:
                 raise RanksDisagreeError(
                     f"the ranks of the tensor-parallel group were given {name} of different "
-                    f"shapes: {_by_value(shapes)}; every TP rank needs the same batch")
+                    f"shapes: {by_value(shapes)}; every TP rank needs the same batch")
         for i, name in enumerate(names):
             sums = [r[i][5] for r in every]
             if len(set(sums)) > 1:
                 raise RanksDisagreeError(
                     f"the ranks of the tensor-parallel group were given different {name} "
-                    f"(checksums: {_by_value(sums)}); give every TP rank the same batch, or "
+                    f"(checksums: {by_value(sums)}); give every TP rank the same batch, or "
                     f"build the model with same_batch='broadcast' to use TP rank 0's")
     if same_batch == "broadcast":
         _broadcast_from_first_rank(tensors, group, device)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
 from .config import check_divisible
+from .replicated_grads import check_every_option, watch_replicated_gradients
 from .sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
 
 # The class attributes a block declares its layers with; the underscored names are the ones
@@ -159,7 +160,7 @@ def _check_layer(layer, kind, p, where):
     check_divisible(f"{where}: {name}", value, p)
 
 
-def apply_tensor_parallel(model, tp_group):
+def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
     """Convert, in place, the `tp_column` / `tp_row` layers of every block that declares them
     (`_tp_col` / `_tp_row` are accepted as their older names).
 
@@ -168,7 +169,13 @@ def apply_tensor_parallel(model, tp_group):
     nothing here communicates, so a bad layer is one ValueError on every rank with no rank left
     in a collective. Every rank must hold the same weights beforehand (same seed or same
     checkpoint): each keeps its slice of them. Returns the model.
+
+    `check_replicated_grads` ("first", or N for every N-th backward; None: off) checks at the
+    end of a backward through `model` that every parameter left whole has the same gradient on
+    every rank (replicated_grads.py): a per-feature weight placed between the column and the
+    row layer would not. Every rank must pass the same value.
     """
+    check_every_option(check_replicated_grads)
     p = group_size(tp_group)
     plan = []
     for name, block in list(model.named_modules()):
@@ -193,7 +200,10 @@ def apply_tensor_parallel(model, tp_group):
         parent = _resolve(block, parent_path, "") if parent_path else block
         cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
         setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
-    return record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
+    record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
+    model.replicated_grads_watch = watch_replicated_gradients(model, tp_group,
+                                                              check_replicated_grads)
+    return model
 
 
 @torch.no_grad()

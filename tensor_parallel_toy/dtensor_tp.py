@@ -25,10 +25,14 @@ norm from local shards, a custom optimizer, a hook, a check) silently sees 1/p o
 (one all-reduce per norm weight, like the one in the hand-written norm's backward), after which a
 replicated gradient is the full gradient on every rank.
 
-The second half of the file applies the same styles to a Hugging Face Llama / Mistral / Qwen2
-model itself (`parallelize_hf_model`), so that the two implementations can be compared on a
-real architecture with the same weights (`from_hf` / `to_hf` convert them).
+The second half of the file applies the same styles to a Hugging Face Llama / Mistral / Qwen2 /
+Qwen3 model itself (`parallelize_hf_model`), so that the two implementations can be compared on
+a real architecture with the same weights (`from_hf` / `to_hf` convert them). That plan covers
+every parameter of the families it accepts or refuses the model (`check_plan_covers`): a
+parameter it leaves out would stay a plain per-rank tensor, and its gradient a partial sum.
 """
+import fnmatch
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,8 +41,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
+from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_reduce_
 from .config import check_divisible, pad_sequence
+from .replicated_grads import check_every_option, watch_replicated_gradients
 
 
 def transformer_plan(config):
@@ -90,17 +96,23 @@ def check_transformer_plan(config, tp_size):
                          f"leave the dtensor mode out")
 
 
-def parallelize_transformer(model, tp, device_type="cpu"):
+def parallelize_transformer(model, tp, device_type="cpu", *, check_replicated_grads=None):
     """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp`: a process
     group, or a 1-D DeviceMesh (the "tp" dimension of a 2-D mesh, for `fully_shard` over its
     "dp" dimension afterwards: see data_parallel.py).
 
     Every rank must pass the same full model (e.g. `Transformer(config, seed=s)`): each keeps
     its own shard of every split weight, so the result starts from the baseline's weights.
+    `check_replicated_grads` ("first" or N; None: off) watches the replicated gradients
+    (replicated_grads.py).
     """
     mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
     check_transformer_plan(model.config, mesh.size())
-    return parallelize_module(model, mesh, transformer_plan(model.config))
+    check_every_option(check_replicated_grads)
+    model = parallelize_module(model, mesh, transformer_plan(model.config))
+    model.replicated_grads_watch = watch_replicated_gradients(model, mesh.get_group(),
+                                                              check_replicated_grads)
+    return model
 
 
 def transformer_loss(model, input_ids, labels):
@@ -164,7 +176,7 @@ def placement_grad_norm(model, tp_group):
 
 
 # ----------------------------------------------------------------------------------------------
-# The same plan on a Hugging Face Llama / Mistral / Qwen2 `...ForCausalLM`
+# The same plan on a Hugging Face Llama / Mistral / Qwen2 / Qwen3 `...ForCausalLM`
 # ----------------------------------------------------------------------------------------------
 # Hugging Face activations are batch-first, [b, s, h]: the sequence shard is Shard(1).
 #
@@ -174,6 +186,8 @@ def placement_grad_norm(model, tp_group):
 #   *_layernorm, model.norm     SequenceParallel  replicated weight on this rank's s/p rows
 #   self_attn                   PrepareModuleInput  keyword hidden_states: Shard(1) -> Replicate()
 #   q_proj, k_proj, v_proj      ColwiseParallel   whole heads per rank: [b, s, heads/p * hd]
+#   q_norm, k_norm (Qwen3)      SequenceParallel(sequence_dim=2)  replicated weight [hd] on this
+#                                                 rank's heads of [b, s, heads, hd] (see below)
 #   o_proj, down_proj           RowwiseParallel   output reduce-scattered to Shard(1)
 #   mlp                         PrepareModuleInput  Shard(1) -> Replicate()
 #   gate_proj, up_proj          ColwiseParallel   [b, s, f/p] each
@@ -185,8 +199,22 @@ def placement_grad_norm(model, tp_group):
 # s/p. With the full-length embedding output the model's own position and mask code sees s
 # positions, and the first layer's input is cut to this rank's rows (no communication). The
 # price is one all-reduce instead of a reduce-scatter, once per step.
-def hf_plan(num_layers):
-    """The parallelize plan for a Hugging Face Llama-family `...ForCausalLM`, by module name."""
+#
+# Why q_norm and k_norm are SequenceParallel along dim 2: Qwen3 normalises each head of
+# q_proj(x).view(b, s, heads, hd), and each rank holds only its own heads, all s tokens. That is
+# the sequence-parallel norm's situation with heads in place of tokens: a replicated weight
+# applied to this rank's part of a dimension, whose gradient is a partial sum over that part.
+# Declaring the local [b, s, heads/p, hd] a Shard(2) of the full tensor makes the weight a
+# replicated DTensor whose gradient DTensor marks Partial(), summed over the group by
+# `reduce_partial_grads`; left out of the plan, the weight stays a plain tensor on each rank,
+# the logits and the loss stay right, and its gradient is silently a partial sum.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # what hf_plan knows module by module
+_PER_HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def hf_plan(hf_config):
+    """The parallelize plan for a Hugging Face `...ForCausalLM` of one of `HF_MODEL_TYPES`, by
+    module name, from its config (`model.config`)."""
     seq_shard = Shard(1)
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
@@ -199,7 +227,7 @@ def hf_plan(num_layers):
         "lm_head": ColwiseParallel(input_layouts=seq_shard, output_layouts=Shard(-1),
                                    use_local_output=False),
     }
-    for i in range(num_layers):
+    for i in range(hf_config.num_hidden_layers):
         layer = f"model.layers.{i}"
         plan.update({
             f"{layer}.input_layernorm": SequenceParallel(),
@@ -220,30 +248,79 @@ def hf_plan(num_layers):
             f"{layer}.mlp.up_proj": ColwiseParallel(),
             f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=seq_shard),
         })
+        if hf_config.model_type == "qwen3":  # [b, s, heads/p, hd]: this rank's heads
+            plan.update({f"{layer}.self_attn.{norm}": SequenceParallel(sequence_dim=2,
+                                                                       use_local_output=True)
+                         for norm in _PER_HEAD_NORMS})
     return plan
 
 
 def check_hf_plan(hf_config, tp_size):
     """What the Hugging Face plan cannot split, refused in one line before any collective."""
     get = lambda name: getattr(hf_config, name, None)  # noqa: E731
+    if get("model_type") not in HF_MODEL_TYPES:
+        raise ValueError(f"model_type={get('model_type')!r}: parallelize_hf_model has a plan for "
+                         f"{', '.join(map(repr, HF_MODEL_TYPES))} only; another family's modules "
+                         f"are not known to it, and a parameter it left out would train with a "
+                         f"partial gradient")
     if get("tie_word_embeddings"):
         raise ValueError("tie_word_embeddings=True: parallelize_module gives the embedding and "
                          "the head each a new DTensor parameter, silently untying them")
-    if get("model_type") == "qwen3":
-        raise ValueError("model_type='qwen3': this plan has no style for q_norm/k_norm, whose "
-                         "gradients would stay partial sums over each rank's heads")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "hidden_size"):
         check_divisible(name, get(name), tp_size, "k/v heads are split, never replicated here")
 
 
-def parallelize_hf_model(hf_model, tp_mesh):
-    """Shard a Hugging Face Llama / Mistral / Qwen2 `...ForCausalLM` in place over the 1-D
-    `tp_mesh` with PyTorch's tensor + sequence parallel styles (plan above). Every rank must
-    pass the same full model. Feed it `pad_to_tp_size(...)` batches, take the loss with
-    `hf_loss_and_backward`, and call `reduce_partial_grads` before reading gradients."""
+# The styles that turn every parameter of the module they are applied to into a DTensor, whose
+# gradient DTensor then keeps right (sharded, or replicated with a Partial() gradient).
+_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+
+
+def check_plan_covers(model, plan):
+    """Refuse, in one line naming the first module, a `model` holding a parameter that `plan`
+    (module name -> style) neither shards nor makes a replicated DTensor. Such a parameter
+    would stay a plain tensor on each rank, applied to this rank's part of the data: its
+    gradient a partial sum, different on each rank, with no error anywhere."""
+    # parallelize_module also takes fnmatch patterns ("model.layers.*.mlp") as keys.
+    patterns = {key: style for key, style in plan.items() if any(c in key for c in "*?[")}
+    for name, module in model.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        styles = [plan[name]] if name in plan else []
+        styles += [style for key, style in patterns.items() if fnmatch.fnmatchcase(name, key)]
+        if own and not any(isinstance(style, _PARAMETER_STYLES) for style in styles):
+            style = ", ".join(type(s).__name__ for s in styles) or "no entry"
+            raise ValueError(
+                f"{name or 'the model itself'} ({type(module).__name__}, parameters "
+                f"{', '.join(own)}) is not covered "
+                f"by the plan ({style}): its weights would stay plain per-rank tensors with "
+                f"partial gradients; give it a ColwiseParallel, RowwiseParallel or "
+                f"SequenceParallel entry, or use a supported model")
+
+
+def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads=None):
+    """Shard a Hugging Face Llama / Mistral / Qwen2 / Qwen3 `...ForCausalLM` in place over the
+    1-D `tp_mesh` with PyTorch's tensor + sequence parallel styles (plan above). Every rank
+    must pass the same full model (the ranks compare its parameter shapes and dtypes, and the
+    options, in one tiny all-gather). Feed it `pad_to_tp_size(...)` batches, take the loss with
+    `hf_loss_and_backward`, and call `reduce_partial_grads` before reading gradients.
+
+    Refused in one line before any collective: another model type, tied embeddings, sizes the
+    TP size does not divide, and a module holding parameters the plan does not cover.
+    `check_replicated_grads` ("first" or N; None: off) checks after backward that every
+    replicated gradient that is not a DTensor `Partial` is the same on every rank
+    (replicated_grads.py)."""
     check_hf_plan(hf_model.config, tp_mesh.size())
-    return parallelize_module(hf_model, tp_mesh, hf_plan(hf_model.config.num_hidden_layers))
+    plan = hf_plan(hf_model.config)
+    check_plan_covers(hf_model, plan)
+    check_every_option(check_replicated_grads)
+    group = tp_mesh.get_group()
+    check_ranks_agree(module_fingerprint(hf_model, model_type=hf_model.config.model_type,
+                                         check_replicated_grads=check_replicated_grads),
+                      group, "Hugging Face models")
+    hf_model = parallelize_module(hf_model, tp_mesh, plan)
+    hf_model.replicated_grads_watch = watch_replicated_gradients(hf_model, group,
+                                                                 check_replicated_grads)
+    return hf_model
 
 
 def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):

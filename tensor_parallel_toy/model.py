@@ -33,6 +33,7 @@ from .batch import check_batch
 from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
 from .parallel_linear import column_parallel_or_plain, row_parallel_or_plain
+from .replicated_grads import check_every_option, watch_replicated_gradients
 from .rotary import apply_rotary, rotary_tables
 from .sharding import (draw_full_weights_, full_shape, gather_data_parallel, mark_init_std,
                        named_layouts, record_layouts, scatter_data_parallel, shard, unshard)
@@ -201,14 +202,19 @@ class Transformer(nn.Module):
     Under TP, construction ends with the ranks comparing a fingerprint of what they built
     (config, TP size, overlap, seed, options, every parameter's shape and dtype): ranks that
     built different models raise on every rank, naming the fields that differ.
+
+    `check_replicated_grads` ("first", or N for every N-th backward; None, the default: off)
+    checks at the end of a backward that every replicated parameter (the norms) has the same
+    gradient on every TP rank: one all-gather of 40 bytes per parameter (replicated_grads.py).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,
-                 check_ids=None, same_batch="check"):
+                 check_ids=None, same_batch="check", check_replicated_grads=None):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any collective can run
         check_same_batch_option(same_batch)
+        check_every_option(check_replicated_grads)
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
         self.check_ids, self.same_batch = check_ids, same_batch
         if tp_group is None:
@@ -236,8 +242,11 @@ class Transformer(nn.Module):
         record_layouts(self)  # where wrapping (fully_shard, DDP) cannot drop them
         fingerprint = module_fingerprint(
             self, **dataclasses.asdict(config), tp_size=self.tp_size, overlap=overlap,
-            seed=seed, check_ids=check_ids, same_batch=same_batch)
+            seed=seed, check_ids=check_ids, same_batch=same_batch,
+            check_replicated_grads=check_replicated_grads)
         check_ranks_agree(fingerprint, tp_group, "Transformers")  # one tiny all-gather
+        self.replicated_grads_watch = watch_replicated_gradients(self, tp_group,
+                                                                 check_replicated_grads)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,

@@ -62,7 +62,8 @@ def run_rank(options):
     group, rank = dist.group.WORLD, dist.get_rank()
     hf = hf_model(options)
     config, state = from_hf(hf, max_seq_len=options.seq)  # rotary tables for --seq tokens
-    model = Transformer(config, tp_group=group, overlap=options.overlap)
+    model = Transformer(config, tp_group=group, overlap=options.overlap,
+                        check_replicated_grads="first")  # q/k norms' gradients: equal on all
     model.load_full_state_dict(state)  # each rank keeps its shards
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
     corpus, losses = make_corpus(seed=options.seed), []

@@ -53,7 +53,9 @@ def run_rank():
     torch.manual_seed(0)  # the same weights and batch on every rank
     baseline = MyModel()
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
-    model = apply_tensor_parallel(copy.deepcopy(baseline), group)  # each rank keeps its slices
+    # Each rank keeps its slices; after the first backward the ranks compare their gradients
+    # of every weight left whole (norms, biases, the head), which must be equal.
+    model = apply_tensor_parallel(copy.deepcopy(baseline), group, check_replicated_grads="first")
     out, want = model(x), baseline(x)
     nn.functional.cross_entropy(out, y).backward()
     nn.functional.cross_entropy(want, y).backward()

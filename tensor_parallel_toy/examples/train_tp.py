@@ -39,7 +39,8 @@ def run_rank():
     """TP over every rank, then the one-device baseline on each rank; returns both loss lists."""
     corpus = make_corpus()
     baseline = Transformer(CONFIG, seed=0)
-    tp = Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0)
+    tp = Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0,
+                     check_replicated_grads="first")  # the norms' grads equal on every rank
     tp.load_full_state_dict(baseline.state_dict())  # the very same starting weights
     return {"tp": train(tp, corpus), "one_device": train(baseline, corpus)}
 

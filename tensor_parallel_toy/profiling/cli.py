@@ -107,6 +107,11 @@ def build_parser():
                    help="NCCL only: run NCCL's internal CUDA streams (where the ring's transfers "
                         "and asynchronous collectives run) at high priority, so their kernels "
                         "are scheduled ahead of the GEMMs' (default: normal priority, as torch)")
+    guard = "off" if d.check_replicated_grads is None else str(d.check_replicated_grads)
+    p.add_argument("--check-replicated-grads", default=guard, metavar="first|off|N",
+                   help=f"the TP modes' check that every replicated weight's gradient is the "
+                        f"same on every TP rank: after the first backward (first), after "
+                        f"every N-th backward, or off (default {guard}); 1-D runs only")
     p.add_argument("--trace", action="store_true",
                    help="also export a torch.profiler Chrome trace of one step per TP mode")
     p.add_argument("--link", default=None, metavar="RATE", help="Linux, as root: run each TP "
@@ -190,6 +195,7 @@ def parse_args(argv, env=os.environ):
     except ValueError as e:
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
+    args.check_replicated_grads = _parse_check_replicated_grads(args.check_replicated_grads)
     args.link_rates = _check_link(args.link, args.device, args.dp, env)
     args.backend = _check_device(args.device, args.tp * args.dp, env)
     if args.nccl_high_priority and args.backend != "nccl":
@@ -204,7 +210,7 @@ def parse_args(argv, env=os.environ):
         seed=args.seed, modes=tuple(args.modes),
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
-        timeline_iters=args.timeline_iters,
+        timeline_iters=args.timeline_iters, check_replicated_grads=args.check_replicated_grads,
         trace_dir=os.path.abspath(args.out) if args.trace else None)
     return args
 
@@ -216,9 +222,20 @@ def _check_hf_dtensor(config, tp):
         raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
                          "requirements.txt), or leave it out of --modes")
     dtensor_tp.check_hf_plan(types.SimpleNamespace(
-        tie_word_embeddings=config.tie_embeddings, num_attention_heads=config.num_heads,
+        model_type="llama", tie_word_embeddings=config.tie_embeddings,
+        num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, intermediate_size=config.ffn_hidden_size,
         vocab_size=config.vocab_size, hidden_size=config.hidden_size), tp)
+
+
+def _parse_check_replicated_grads(text):
+    """"first" -> "first", "off" -> None, "N" -> N (a positive int)."""
+    if text in ("first", "off"):
+        return None if text == "off" else text
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--check-replicated-grads {text!r}: valid are first (after the first "
+                         f"backward), off, or a positive number N (every N-th backward)")
+    return int(text)
 
 
 def _other_model_hint(bad):

@@ -45,10 +45,12 @@ def hf_llama_config(config: ModelConfig):
     return hf_config
 
 
-def build_hf_dtensor(config, seed, tp_group, device, dtype, mesh_2d=None):
+def build_hf_dtensor(config, seed, tp_group, device, dtype, mesh_2d=None,
+                     check_replicated_grads=None):
     """The baseline's weights in a `LlamaForCausalLM`, split over `tp_group` by PyTorch's plan;
     with `mesh_2d` (a ("dp", "tp") DeviceMesh) split over its "tp" dimension and wrapped with
-    FSDP2 over its "dp" dimension. Every rank must call it with the same arguments."""
+    FSDP2 over its "dp" dimension. Every rank must call it with the same arguments;
+    `check_replicated_grads` is `parallelize_hf_model`'s."""
     from transformers import LlamaForCausalLM
 
     hf_model = LlamaForCausalLM(hf_llama_config(config))
@@ -57,7 +59,8 @@ def build_hf_dtensor(config, seed, tp_group, device, dtype, mesh_2d=None):
     hf_model.to(device, dtype)
     tp_mesh = (DeviceMesh.from_group(tp_group, device.type) if mesh_2d is None
                else mesh_2d["tp"])
-    hf_model = dtensor_tp.parallelize_hf_model(hf_model, tp_mesh)
+    hf_model = dtensor_tp.parallelize_hf_model(hf_model, tp_mesh,
+                                               check_replicated_grads=check_replicated_grads)
     if mesh_2d is not None:
         for layer in hf_model.model.layers:
             fully_shard(layer, mesh=mesh_2d["dp"])

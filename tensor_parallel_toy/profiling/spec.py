@@ -6,7 +6,7 @@ phase cannot ask for a key nobody set, nor find a default that disagrees with th
 """
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -48,6 +48,9 @@ class ProfileSpec:
     timeline_iters: int = 11  # timeline recordings per mode; 0 skips it
     trace_dir: Optional[str] = None  # where torch.profiler traces go; None: no trace
     progress: bool = True  # print a line per mode on rank 0
+    # The replicated-gradient guard of the TP modes (replicated_grads.py): "first" (after the
+    # first backward), N (every N-th backward) or None (off). 2-D runs leave it off (below).
+    check_replicated_grads: Union[str, int, None] = "first"
 
     @property
     def torch_dtype(self):

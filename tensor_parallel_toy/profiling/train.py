@@ -51,20 +51,25 @@ def mesh_2d(dp, tp, device_type):
     return init_mesh_2d(dp, tp, device_type)
 
 
-def build_model(mode, config, group, device, dtype, seed, mesh=None):
+def build_model(mode, config, group, device, dtype, seed, mesh=None, check_replicated_grads=None):
     """`group`: the TP group (1-D). `mesh`: the 2-D ("dp", "tp") grid, or None; given, the TP
-    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`."""
+    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`.
+    `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its
+    end-of-backward check is not ordered against FSDP2's own end-of-backward work."""
+    guard = check_replicated_grads if mesh is None else None
     if mode == "baseline":
         return Transformer(config, seed=seed).to(device, dtype)
     if mode in ("tp", "tp_overlap"):
         tp = group if mesh is None else mesh["tp"].get_group()  # the same group, from the grid
-        model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap", seed=seed)
+        model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap", seed=seed,
+                            check_replicated_grads=guard)
         model = model.to(device, dtype)
     elif mode == "dtensor":
         model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),
-                                       group if mesh is None else mesh["tp"], device.type)
+                                       group if mesh is None else mesh["tp"], device.type,
+                                       check_replicated_grads=guard)
     elif mode == "hf_dtensor":  # wrapped with FSDP2 there, if 2-D: its layers have HF names
-        return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh)
+        return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh, guard)
     else:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     return model if mesh is None else apply_fsdp(model, mesh)
@@ -200,7 +205,7 @@ class _ModeRun:
         # The other ranks sit idle while the baseline runs: give it the whole machine.
         self.threads = spec.baseline_threads if mode == "baseline" else torch.get_num_threads()
         self.model = build_model(mode, spec.config, self.group, self.device, spec.torch_dtype,
-                                 spec.seed, mesh if two_d else None)
+                                 spec.seed, mesh if two_d else None, spec.check_replicated_grads)
         self.optimizer = make_optimizer(self.model, spec.lr)
         self.corpus = _corpus(spec.seed)
         self.aligned = mode != "baseline" and world is not None

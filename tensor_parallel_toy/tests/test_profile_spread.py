@@ -5,7 +5,6 @@ The summaries are fed made-up per-rank numbers whose answer is known (so a ratio
 or a single round passed off as a block's, or the faster rank taken for the slower, fails
 here); the plots are fed small synthetic results.
 """
-import copy
 import json
 import os
 import re

@@ -172,6 +172,7 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--model", "llama", "--tie-embeddings"], ["tie_word_embeddings=True"]),
     (["--device", "cpu", "--nccl-high-priority"], ["--nccl-high-priority", "gloo",
                                                     "--device cuda"]),
+    (["--check-replicated-grads", "0"], ["--check-replicated-grads '0'", "first", "off"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])
@@ -299,7 +300,7 @@ def test_every_default_is_the_spec_default(tmp_path):
     spec = profile.parse_args(out, env={}).spec
     for field in ("tp", "steps", "warmup", "batch", "seq", "lr", "dtype", "seed", "modes",
                   "threads", "bench_iters", "bench_warmup", "bench_shape", "timeline_iters",
-                  "trace_dir"):
+                  "trace_dir", "check_replicated_grads"):
         assert getattr(spec, field) == getattr(default, field), field
     assert spec.config == default.config
     assert {k: getattr(spec.config, k) for k in MODEL_DEFAULTS} == MODEL_DEFAULTS
@@ -307,6 +308,9 @@ def test_every_default_is_the_spec_default(tmp_path):
                                   "--modes", "tp,baseline", *out], env={}).spec
     assert (changed.bench_iters, changed.timeline_iters, changed.seq, changed.modes) == \
         (7, 0, 64, ("baseline", "tp")), changed
+    guards = [profile.parse_args(["--check-replicated-grads", flag, *out], env={}).spec
+              .check_replicated_grads for flag in ("first", "off", "3")]
+    assert guards == ["first", None, 3], guards
 
 
 def _on_rank_recorded_transfers(overlap):
