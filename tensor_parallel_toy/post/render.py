@@ -12,13 +12,13 @@ import json
 import os
 import re
 
+from ..profiling.metrics import MiB
 from . import envelope
 
 POSTS = ("part1-tp-and-sp.md", "part2-overlap-and-real-models.md")
 HEADER = ("<!-- Rendered from blog/src/{name} by `python -m tensor_parallel_toy blog`, with the "
           "numbers of the committed profile runs: edit the source, not this file. -->\n")
 
-MIB = 2 ** 20
 SOURCES = {  # placeholder prefix: the committed results file it reads, relative to blog/
     "run": "results/results.json",            # the default profile run
     "link1g": "link/results_1gbit.json",      # the same over an emulated 1 Gbit/s link
@@ -38,8 +38,8 @@ def _ratio(entry):
 
 FORMATS = {  # named formats; anything else after `|` is a Python format spec
     "ms": lambda v: f"{v * 1e3:.1f}",        # seconds -> ms
-    "mib": lambda v: f"{v / MIB:.2f}",       # bytes -> MiB
-    "mib1": lambda v: f"{v / MIB:.1f}",
+    "mib": lambda v: f"{v / MiB:.2f}",       # bytes -> MiB
+    "mib1": lambda v: f"{v / MiB:.1f}",
     "pct": lambda v: f"{v * 100:.0f} %",
     "gbit": lambda v: f"{v / 1e9:.2f}",     # bits/s -> Gbit/s
     "rate": lambda v: f"{v / 1e9:g} Gbit/s",
@@ -116,8 +116,8 @@ def _results_table(results):
             f"| `{mode}`", f"{d['loss'][0]:.4f} → {d['loss'][-1]:.4f}",
             "–" if rel is None else f"{max(rel):.1e}", f"{d['grad_norm'][-1]:.4f}",
             f"{t['median'] * 1e3:.1f} [{t['p10'] * 1e3:.1f}–{t['p90'] * 1e3:.1f}]",
-            f"{d['tokens_per_s']:.0f}", f"{mem['saved_activation_bytes'] / MIB:.2f}",
-            f"{state / MIB:.2f} |"]))
+            f"{d['tokens_per_s']:.0f}", f"{mem['saved_activation_bytes'] / MiB:.2f}",
+            f"{state / MiB:.2f} |"]))
     return "\n".join(rows)
 
 
@@ -153,7 +153,7 @@ def derived(data):
     for name in formula:
         out[f"mem.formula.{name}"] = f"{formula[name]:,}"
         out[f"mem.measured.{name}"] = f"{measured[name]:,}"
-    out["mem.tp_no_sp_mib"] = f"{measured['tp_only'] / MIB:.2f}"
+    out["mem.tp_no_sp_mib"] = f"{measured['tp_only'] / MiB:.2f}"
 
     def state(mode):
         mem = modes[mode]["memory_per_rank"][0]

@@ -6,6 +6,7 @@ matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from .metrics import MiB  # noqa: E402
 from .output import atomic_path  # noqa: E402
 
 STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the baseline
@@ -18,7 +19,6 @@ STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the
 SPAN_COLORS = {"gemm": "#1f77b4", "attention": "#9467bd", "other": "#c8c8c8",
                "post": "#8c564b", "wait": "#d62728", "ring": "#ff7f0e",
                "all-gather": "#ff7f0e", "reduce-scatter": "#2ca02c", "all-reduce": "#17becf"}
-MiB = 2 ** 20
 
 
 def save(fig, path):
@@ -308,12 +308,12 @@ def plot_sweep(sweep, path):
     measured = [p["measured_bits_per_s"] for p in sweep["rates"]]
     ax.plot(rates, [sweep["bytes_per_step_derived"] * 8 / m * 1e3 for m in measured],
             color="#d62728", linewidth=1.5,
-            label=f"comm-bound: {sweep['bytes_per_step_derived'] / 2 ** 20:.1f} MiB per step "
+            label=f"comm-bound: {sweep['bytes_per_step_derived'] / MiB:.1f} MiB per step "
                   f"(derived from the shapes) / measured rate")
     tp_bytes = [p["tp"]["veth_tx_bytes_per_step"] for p in sweep["rates"]]
     ax.plot(rates, [b * 8 / m * 1e3 for b, m in zip(tp_bytes, measured)],
             color="#d62728", linewidth=1, linestyle="--",
-            label=f"comm-bound of tp as gloo sends it: {max(tp_bytes) / 2 ** 20:.1f} MiB per "
+            label=f"comm-bound of tp as gloo sends it: {max(tp_bytes) / MiB:.1f} MiB per "
                   f"step measured on the veth / measured rate")
     ax.axhline(sweep["compute_bound_s"] * 1e3, color="#444444", linewidth=1.5,
                label="compute-bound: loopback tp minus its blocked time")
