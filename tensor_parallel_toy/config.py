@@ -129,16 +129,17 @@ class ModelConfig:
             value = getattr(self, name)
             valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
             check_divisible(name, value, tp_size, f"valid TP sizes for it: {valid}")
-        # K/V heads are split when there are at least as many as ranks, and replicated (each
-        # rank using one) when there are fewer: either way each rank's query heads must find
-        # all their k/v heads on that rank, which needs one of the two to divide the other.
+        # K/V heads are split when there are at least as many as ranks, and shared when there
+        # are fewer (the p / nkv ranks of a k/v head split its query heads and each hold its k
+        # and v rows): either way each rank's query heads find their k/v heads on that rank,
+        # which needs one of the two to divide the other.
         kv = self.num_kv_heads
         if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
             valid = sorted({d for d in range(1, self.num_heads + 1)
                             if self.num_heads % d == 0 and (d % kv == 0 or kv % d == 0)})
             raise ValueError(
                 f"num_kv_heads={kv} does not fit the tensor-parallel size {tp_size}: it must "
-                f"be a multiple of it (k/v heads split) or divide it (k/v heads replicated); "
+                f"be a multiple of it (k/v heads split) or divide it (k/v heads shared); "
                 f"valid TP sizes for it: {valid}")
 
 

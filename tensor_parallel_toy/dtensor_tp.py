@@ -78,6 +78,7 @@ def transformer_plan(config):
 
 def check_transformer_plan(config, tp_size):
     """What this plan cannot express, refused in one line before any collective."""
+    config.check_tp_size(tp_size)  # what no TP split of this model can take
     if config.tie_embeddings:
         raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
                          "head each a new DTensor parameter, silently untying them; untie them "

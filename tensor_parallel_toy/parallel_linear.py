@@ -321,7 +321,8 @@ class _ParallelLinear(nn.Module):
                             tp_group)
             check_ranks_agree(module_fingerprint(
                 self, layer=type(self).__name__, in_features=in_features,
-                out_features=out_features, tp_size=p, overlap=overlap), tp_group,
+                out_features=out_features, tp_size=p, overlap=overlap,
+                split=None if view is None else (view.split_dim, view.shared_tail)), tp_group,
                 f"{type(self).__name__}s")
 
     def extra_repr(self):
@@ -354,6 +355,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
                  split_dim=0, shared_tail=0, device=None, dtype=None, standalone=True):
         shaped = not isinstance(out_features, int)
+        if not shaped and (split_dim, shared_tail) != (0, 0):
+            raise ValueError(f"split_dim={split_dim}, shared_tail={shared_tail} with "
+                             f"out_features={out_features}: they describe an output shape; "
+                             f"give out_features as a tuple, or leave them at 0")
         view = SplitView(tuple(out_features), split_dim, shared_tail) if shaped else None
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
                          standalone, view)

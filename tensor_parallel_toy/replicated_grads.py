@@ -13,11 +13,13 @@ partial sum, the copies drift apart step by step.
 small collective. Each rank reduces every replicated gradient g (n numbers) to a digest of
 five float64s,
 
-    [has a gradient, ||g||, sum_i g_i, sum_i g_i cos(i phi), sum_i g_i sin(i phi)]
+    [kind, ||g||, sum_i g_i, sum_i g_i cos(i phi), sum_i g_i sin(i phi)]
 
-(phi = 0.618..., the golden ratio's fractional part, in radians: the weights differ at every
-position, so a gradient whose entries are moved or permuted changes the digest), and the ranks all-gather the digests: 40 bytes per parameter
-per rank. Every rank then reaches the same verdict from the same numbers, so a disagreement
+(kind: no gradient, a finite one, or one holding an inf or NaN, whose other entries are then
+zeros: copies that all overflowed agree, a rank that overflowed alone does not; phi = 0.618...,
+the golden ratio's fractional part, in radians: the weights differ at every position, so a
+gradient whose entries are moved or permuted changes the digest), and the ranks all-gather the
+digests: 40 bytes per parameter per rank. Every rank then reaches the same verdict from the same numbers, so a disagreement
 raises on every rank, naming the first parameter whose ranks differ.
 
 The tolerance. Correct replicas are bit-equal here (one all-reduce gives every rank the same
@@ -58,7 +60,8 @@ from .sharding import named_layouts, tensor_parallel_dim
 
 TOLERANCE = 2.0 ** -4  # relative to the gradient's norm: see the module docstring
 _PHASE = (math.sqrt(5) - 1) / 2  # radians per position of the cos/sin weights
-_DIGEST = 5  # numbers per parameter: has gradient, norm, sum, cos-weighted, sin-weighted sum
+_DIGEST = 5  # numbers per parameter: kind, norm, sum, cos-weighted, sin-weighted sum
+_KINDS = ("no gradient", "a finite gradient", "a non-finite gradient")  # the kind column
 EVERY_VALID = ("None (off), 'first' (after the first backward) or a positive int N (after "
                "backwards 1, N+1, 2N+1, ...)")
 
@@ -109,8 +112,11 @@ def replicated_gradients(model, tp_group):
 
 @torch.no_grad()
 def gradient_digests(grads):
-    """[k, 5] float64, one digest row per gradient (None gives a row of zeros), on the
-    gradients' device: no host read here."""
+    """[k, 5] float64, one digest row per gradient, on the gradients' device: no host read
+    here. Column 0 is the gradient's kind (an index into _KINDS): None gives a row of zeros; a
+    gradient holding an inf or a NaN gives kind 2 and zeros, so that ranks whose copies all
+    overflowed agree (nothing to compare; a loss scaler skips such a step), while a rank that
+    overflowed alone disagrees with the others by its kind."""
     device = next((g.device for g in grads if g is not None), torch.device("cpu"))
     rows, weights = [], {}
     for grad in grads:
@@ -122,7 +128,10 @@ def gradient_digests(grads):
         if n not in weights:  # [3, n]: ones, cos(i phi), sin(i phi)
             phase = torch.arange(n, dtype=torch.float64, device=device) * _PHASE
             weights[n] = torch.stack([torch.ones_like(phase), phase.cos(), phase.sin()])
-        rows.append(torch.cat([flat.new_ones(1), flat.norm().reshape(1), weights[n] @ flat]))
+        finite = torch.isfinite(flat).all()
+        stats = torch.cat([flat.norm().reshape(1), weights[n] @ flat])
+        stats = torch.where(finite, stats, torch.zeros_like(stats))
+        rows.append(torch.cat([(2 - finite.double()).reshape(1), stats]))
     return torch.stack(rows) if rows else torch.zeros(0, _DIGEST, dtype=torch.float64)
 
 
@@ -165,8 +174,7 @@ def check_replicated_gradients(model, tp_group, tolerance=TOLERANCE):
 def _raise_for(name, rows, n_differ, n, p):
     """rows [p, 5]: one parameter's digest on each rank."""
     if len(set(rows[:, 0].tolist())) > 1:
-        seen = by_value(["a gradient" if has else "no gradient" for has in rows[:, 0].tolist()])
-        what = f"{seen}"
+        what = by_value([_KINDS[int(kind)] for kind in rows[:, 0].tolist()])
     else:
         norms = by_value([f"{v:.6g}" for v in rows[:, 1].tolist()])
         sums = by_value([f"{v:.6g}" for v in rows[:, 2].tolist()])

@@ -45,13 +45,13 @@ def test_gqa_baseline_equals_multi_head_with_shared_kv_heads(num_kv_heads):
     assert err <= 1e-5, f"GQA vs multi-head with repeated k/v heads: {err:.3g} > 1e-5"
 
 
-# (num_kv_heads, tp): k/v heads split (kv >= tp) or replicated (kv < tp), MQA included.
+# (num_kv_heads, tp): k/v heads split (kv >= tp) or shared by tp / kv ranks (kv < tp), MQA included.
 CASES = [(4, 2, False), (3, 3, True), (2, 4, False), (2, 4, True), (1, 3, False)]
 
 
 @pytest.mark.parametrize("num_kv_heads,tp,overlap", CASES, ids=[
     f"kv{kv}-tp{tp}-{'overlap' if o else 'basic'}" for kv, tp, o in CASES])
-def test_gqa_model_matches_baseline_with_kv_heads_split_or_replicated(pools, num_kv_heads, tp,
+def test_gqa_model_matches_baseline_with_kv_heads_split_or_shared(pools, num_kv_heads, tp,
                                                                       overlap):
     config = ModelConfig(**BASE, num_kv_heads=num_kv_heads)
     per_rank = pools(tp).run(compare_on_world, config, overlap=overlap)

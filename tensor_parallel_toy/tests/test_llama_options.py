@@ -18,15 +18,15 @@ LLAMA = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                     rope_base=500000.0, norm_eps=1e-6)
 
 # (name, config changes, tp, overlap): k/v heads fused with q (multi-head), split (GQA, kv >= tp)
-# and replicated (kv < tp, where the bias slice goes through `f` like the weight's).
+# and shared (kv < tp: the shared k/v rows of weight and bias summed by copy_shared_rows).
 CASES = [
     ("mha", {}, 2, False),
     ("mha", {}, 4, True),
     ("gqa-split", dict(num_kv_heads=4), 2, True),
     ("gqa-split", dict(num_kv_heads=4), 4, False),
-    ("gqa-replicated", dict(num_kv_heads=2), 4, True),
+    ("gqa-shared", dict(num_kv_heads=2), 4, True),
     ("tied-no-bias", dict(tie_embeddings=True, qkv_bias=False, num_kv_heads=4), 2, False),
-    # Every checkpoint option at once (Qwen3's q/k norms with k/v heads replicated, a head size
+    # Every checkpoint option at once (Qwen3's q/k norms with k/v heads shared, a head size
     # not hidden/heads, Llama 3's rope scaling, a window shorter than the sequence of 12): the
     # grad norm must count the q/k norms once, and SGD must keep their replicas equal.
     ("qk-norm-head-dim-llama3-window",

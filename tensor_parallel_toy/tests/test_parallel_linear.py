@@ -318,19 +318,31 @@ def test_column_layer_with_an_output_shape_matches_full_linear(pools, tp, layout
 
 
 def _on_rank_shapes_two_ranks_cannot_split():
-    group = dist.group.WORLD
-    return value_error_messages({
-        shape: (lambda shape=shape, tail=tail: ColumnParallelLinear(
-            8, shape, tp_group=group, shared_tail=tail))
-        for shape, tail in (((3, 4, 2), 2), ((1, 5, 2), 2), ((1, 4, 2), 0))})
+    group, rank = dist.group.WORLD, dist.get_rank()
+    cases = {shape: (lambda shape=shape, tail=tail: ColumnParallelLinear(
+        8, shape, tp_group=group, shared_tail=tail))
+        for shape, tail in (((3, 4, 2), 2), ((1, 5, 2), 2), ((1, 4, 2), 0))}
+    cases["int"] = lambda: ColumnParallelLinear(8, 12, tp_group=group, split_dim=1)
+    # Both ranks get a [12, 8] shard, of different rows: only the fingerprint can tell.
+    cases["split_dim"] = lambda: ColumnParallelLinear(8, (2, 12), tp_group=group,
+                                                      split_dim=rank)
+    return value_error_messages(cases)
 
 
 def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
     """3 k/v heads over 2 ranks; 1 k/v head whose 3 query heads 2 ranks cannot split; 1 k/v
-    head and nothing declared shared."""
-    for shape, message in pools(2).run(_on_rank_shapes_two_ranks_cannot_split)[0].items():
-        assert_one_line(message, [f"out_features={shape}", "tensor-parallel size 2"],
-                        f"out_features={shape}")
+    head and nothing declared shared; a split_dim without a shape; ranks splitting the same
+    shape along different dims (same local shape), refused on every rank."""
+    per_rank = pools(2).run(_on_rank_shapes_two_ranks_cannot_split)
+    for shape, message in per_rank[0].items():
+        if shape == "int":
+            assert_one_line(message, ["split_dim=1", "out_features=12", "tuple"], "int + split")
+        elif shape == "split_dim":
+            for rank_messages in per_rank:
+                assert_one_line(rank_messages["split_dim"], ["split"], "split_dim per rank")
+        else:
+            assert_one_line(message, [f"out_features={shape}", "tensor-parallel size 2"],
+                            f"out_features={shape}")
 
 
 def test_functional_ops_on_a_group_of_one_are_plain_linear():

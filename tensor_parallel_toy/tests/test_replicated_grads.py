@@ -196,6 +196,32 @@ def test_ranks_asking_for_different_guards_are_refused_at_construction(pools):
                 "rank 1" in message, f"{name}: {message!r}"
 
 
+def _on_rank_non_finite():
+    """A replicated weight whose gradient overflowed (an inf): the same on both ranks is no
+    disagreement (a loss scaler skips such a step); on one rank only it is, named as such."""
+    import torch.nn as nn
+
+    from tensor_parallel_toy.replicated_grads import check_replicated_gradients
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    norm = nn.LayerNorm(4)
+    out = {}
+    for case, grads in {"both": ([1.0, float("inf"), 2.0, 3.0],) * 2,
+                        "rank 1": ([1.0, 5.0, 2.0, 3.0], [1.0, float("inf"), 2.0, 3.0])}.items():
+        norm.weight.grad = torch.tensor(grads[rank])
+        norm.bias.grad = torch.ones(4)
+        out[case] = _error_of(lambda: out.setdefault(f"{case} compared",
+                                                     check_replicated_gradients(norm, group)))
+    return out
+
+
+def test_an_overflowed_gradient_is_told_apart_from_a_partial_one(pools):
+    for out in pools(2).run(_on_rank_non_finite):
+        assert out["both"] is None and out["both compared"] == 2, out
+        assert out["rank 1"] is not None and "'weight'" in out["rank 1"] and \
+            "a non-finite gradient on rank 1" in out["rank 1"], out
+
+
 def _on_rank_fsdp():
     """Our model under FSDP2 over a 2 x 2 grid, the check called after backward, with and
     without the norms' `f`: (parameters compared or None, the message or None)."""
