@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .agreement import check_ranks_agree
 from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
 from .config import check_divisible
@@ -166,14 +167,16 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
 
     Each declaration is one dotted path or a tuple of them (e.g. two column layers, gate and
     up, feeding one row layer). The whole model is checked before anything changes, and
-    nothing here communicates, so a bad layer is one ValueError on every rank with no rank left
+    before any communication, so a bad layer is one ValueError on every rank with no rank left
     in a collective. Every rank must hold the same weights beforehand (same seed or same
     checkpoint): each keeps its slice of them. Returns the model.
 
     `check_replicated_grads` ("first", or N for every N-th backward; None: off) checks at the
     end of a backward through `model` that every parameter left whole has the same gradient on
     every rank (replicated_grads.py): a per-feature weight placed between the column and the
-    row layer would not. Every rank must pass the same value.
+    row layer would not. Every rank must pass the same value: the ranks compare it at the
+    end, in one tiny all-gather, the only communication here (a rank checking alone would
+    otherwise wait in the check's collective).
     """
     check_every_option(check_replicated_grads)
     p = group_size(tp_group)
@@ -201,6 +204,8 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
         cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
         setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
     record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
+    check_ranks_agree({"check_replicated_grads": check_replicated_grads}, tp_group,
+                      "apply_tensor_parallel calls")
     model.replicated_grads_watch = watch_replicated_gradients(model, tp_group,
                                                               check_replicated_grads)
     return model

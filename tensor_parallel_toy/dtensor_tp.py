@@ -110,6 +110,8 @@ def parallelize_transformer(model, tp, device_type="cpu", *, check_replicated_gr
     mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
     check_transformer_plan(model.config, mesh.size())
     check_every_option(check_replicated_grads)
+    check_ranks_agree({"check_replicated_grads": check_replicated_grads}, mesh.get_group(),
+                      "parallelize_transformer calls")
     model = parallelize_module(model, mesh, transformer_plan(model.config))
     model.replicated_grads_watch = watch_replicated_gradients(model, mesh.get_group(),
                                                               check_replicated_grads)

@@ -169,7 +169,15 @@ def _on_rank_different_options():
 
     from tensor_parallel_toy import dtensor_tp
     from tensor_parallel_toy.agreement import RanksDisagreeError
+    from tensor_parallel_toy.classic_tp import apply_tensor_parallel
     from tensor_parallel_toy.model import Transformer
+
+    class _FeedForward(torch.nn.Module):
+        tp_column, tp_row = "up", "down"
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
 
     group = dist.group.WORLD
     option = "first" if dist.get_rank() == 0 else None
@@ -177,7 +185,11 @@ def _on_rank_different_options():
     builders = {"ours": lambda: Transformer(CONFIG, tp_group=group, check_replicated_grads=option),
                 "hf": lambda: dtensor_tp.parallelize_hf_model(
                     _tiny_qwen3(), DeviceMesh.from_group(group, "cpu"),
-                    check_replicated_grads=option)}
+                    check_replicated_grads=option),
+                "dtensor": lambda: dtensor_tp.parallelize_transformer(
+                    Transformer(CONFIG), group, check_replicated_grads=option),
+                "classic": lambda: apply_tensor_parallel(
+                    _FeedForward(), group, check_replicated_grads=option)}
     for name, build in builders.items():
         try:
             build()
