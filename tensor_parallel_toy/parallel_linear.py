@@ -362,11 +362,12 @@ class ColumnParallelLinear(_ParallelLinear):
         view = SplitView(tuple(out_features), split_dim, shared_tail) if shaped else None
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
                          standalone, view)
-        p, r = self.tp_size, group_rank(tp_group)
+        p = self.tp_size
         # Rows shared with other ranks (a k/v head's): from which row on, the slot of the
         # ranks that share them, and how many such slots there are.
-        self.shared = None if not shaped or view.first_shared_row(p) is None else \
-            (view.first_shared_row(p), r // view.ranks_per_slice(p), view.shape[0])
+        first = view.first_shared_row(p) if shaped else None
+        self.shared = None if first is None else \
+            (first, group_rank(tp_group) // view.ranks_per_slice(p), view.shape[0])
 
     def forward(self, x):
         weight, bias = self.weight, self.bias

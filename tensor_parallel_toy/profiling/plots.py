@@ -38,48 +38,44 @@ def _curves(ax, modes, key, every):
                 label=mode)
 
 
-def plot_losses(modes, path):
-    """Loss curves overlaid, and below them each TP mode's relative difference to baseline."""
+def _curves_and_differences(modes, key, path, *, ylabel, title, diff_ylabel, target=None):
+    """modes[.][key] overlaid on top and, below, each TP mode's `{key}_rel_err_vs_baseline`:
+    the curves coincide, so only the second panel shows how closely."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
                                       gridspec_kw={"height_ratios": [2, 1]})
-    every = max(1, len(next(iter(modes.values()))["loss"]) // 10)
-    _curves(top, modes, "loss", every)
-    top.set_ylabel("loss (global mean cross-entropy)")
-    top.set_title("Training loss, same weights and data in every mode")
+    every = max(1, len(next(iter(modes.values()))[key]) // 10)
+    _curves(top, modes, key, every)
+    top.set_ylabel(ylabel)
+    top.set_title(title)
     top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # outside: no curve hidden
     for mode, data in modes.items():
-        if data.get("loss_rel_err_vs_baseline"):
+        if data.get(f"{key}_rel_err_vs_baseline"):
             color, ls, marker = STYLE.get(mode, ("k", "-", None))
-            bottom.semilogy([max(e, 1e-10) for e in data["loss_rel_err_vs_baseline"]],
+            bottom.semilogy([max(e, 1e-10) for e in data[f"{key}_rel_err_vs_baseline"]],
                             color=color, linestyle=ls, marker=marker, markevery=every,
                             markersize=4, label=mode)
-    bottom.axhline(1e-4, color="#d62728", linewidth=1, label="1e-4 target")
-    bottom.set_ylabel("|loss - baseline| / baseline\n(exact 0 drawn at 1e-10)")
+    if target is not None:  # (value, its label)
+        bottom.axhline(target[0], color="#d62728", linewidth=1, label=f"{target[1]} target")
+    bottom.set_ylabel(f"{diff_ylabel}\n(exact 0 drawn at 1e-10)")
     bottom.set_xlabel("step")
     bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     save(fig, path)
+
+
+def plot_losses(modes, path):
+    """Loss curves overlaid, and below them each TP mode's relative difference to baseline."""
+    _curves_and_differences(modes, "loss", path, ylabel="loss (global mean cross-entropy)",
+                            title="Training loss, same weights and data in every mode",
+                            diff_ylabel="|loss - baseline| / baseline", target=(1e-4, "1e-4"))
 
 
 def plot_grad_norms(modes, path):
     """Gradient norms overlaid and, below them, each TP mode's relative difference to the
-    baseline's: the curves coincide, so only the second panel shows how closely."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
-                                      gridspec_kw={"height_ratios": [2, 1]})
-    every = max(1, len(next(iter(modes.values()))["grad_norm"]) // 10)
-    _curves(top, modes, "grad_norm", every)
-    top.set_ylabel("global gradient L2 norm")
-    top.set_title("Gradient norm, computed before zero_grad, replicated parameters once")
-    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    for mode, data in modes.items():
-        if data.get("grad_norm_rel_err_vs_baseline"):
-            color, ls, marker = STYLE.get(mode, ("k", "-", None))
-            bottom.semilogy([max(e, 1e-10) for e in data["grad_norm_rel_err_vs_baseline"]],
-                            color=color, linestyle=ls, marker=marker, markevery=every,
-                            markersize=4, label=mode)
-    bottom.set_ylabel("|norm - baseline| / baseline\n(exact 0 drawn at 1e-10)")
-    bottom.set_xlabel("step")
-    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    save(fig, path)
+    baseline's."""
+    _curves_and_differences(
+        modes, "grad_norm", path, ylabel="global gradient L2 norm",
+        title="Gradient norm, computed before zero_grad, replicated parameters once",
+        diff_ylabel="|norm - baseline| / baseline")
 
 
 def plot_step_times(modes, path, network=""):

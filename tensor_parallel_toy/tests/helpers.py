@@ -132,6 +132,27 @@ def value_error_messages(cases):
     return messages
 
 
+def import_transformers():
+    """`transformers`, a pinned requirement: its absence fails the test rather than skip it."""
+    try:
+        import transformers
+    except ImportError as e:
+        pytest.fail(f"transformers cannot be imported ({e}); pip install -r requirements.txt")
+    return transformers
+
+
+@torch.no_grad()
+def draw_norms_and_biases_(model):
+    """Move a fresh Hugging Face model's norm weights (all ones) and biases (all zeros) off
+    their defaults, so that a gradient routed wrongly through them shows. Returns `model`."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(1.0, 0.1)
+        elif name.endswith("bias"):
+            param.normal_(0.0, 0.1)
+    return model
+
+
 def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):
     """ids and labels `[batch, seq]` on this rank's device, the same on every rank; a fraction
     of the labels set to ignore_index."""

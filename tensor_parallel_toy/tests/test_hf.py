@@ -17,36 +17,24 @@ import torch.nn.functional as F
 from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.hf_checkpoint import config_from_hf
 
-from .helpers import MODEL_FP32_TOL, assert_errors, assert_one_line, max_rel_error, random_batch
+from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
+                      import_transformers, max_rel_error, random_batch)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 SEQ = 11  # not a multiple of 2 or 4: the TP model pads it
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # a pinned requirement: its absence is a failure, not a skip
-        pytest.fail(f"transformers cannot be imported ({e}); pip install -r requirements.txt")
-    return transformers
-
-
 def tiny_hf_model(family, seed=0, **change):
     """A random `LlamaForCausalLM` or `Qwen2ForCausalLM` (fp32, eval mode), the same on
     every rank."""
-    transformers = _transformers()
+    transformers = import_transformers()
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **change})).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
+    draw_norms_and_biases_(model)
     return model
 
 
@@ -150,7 +138,7 @@ def test_what_the_model_cannot_express_is_refused_naming_the_field(family, field
 def test_sliding_windows_convert_as_transformers_applies_them():
     """Mistral windows every layer when sliding_window is set; Qwen2 only with
     use_sliding_window, and then the layers from max_window_layers on (all of them here)."""
-    transformers = _transformers()
+    transformers = import_transformers()
     windows = {
         "mistral": transformers.MistralConfig(**TINY, sliding_window=16),
         "mistral-none": transformers.MistralConfig(**TINY, sliding_window=None),

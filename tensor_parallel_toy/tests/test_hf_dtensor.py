@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, max_rel_error,
-                      value_error_messages)
+from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
+                      import_transformers, max_rel_error, value_error_messages)
 
 SEQ = 11  # not a multiple of 2: the batch is padded to 12
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -26,14 +26,6 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24))}
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # a pinned requirement: its absence is a failure, not a skip
-        pytest.fail(f"transformers cannot be imported ({e}); pip install -r requirements.txt")
-    return transformers
-
-
 def tiny_hf_model(family, seed=0):
     """The family's random `...ForCausalLM` (fp32, eval mode), the same on every rank."""
     import transformers
@@ -42,12 +34,7 @@ def tiny_hf_model(family, seed=0):
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**TINY, **change})
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.1)
+    draw_norms_and_biases_(model)
     return model
 
 
@@ -98,7 +85,7 @@ def _on_rank_plan_vs_unsharded(family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pytorch_plan_on_each_hugging_face_family_matches_it_unsharded(pools, family):
-    _transformers()
+    import_transformers()
     per_rank = pools(2).run(_on_rank_plan_vs_unsharded, family)
     worst = assert_errors([r["errors"] for r in per_rank], MODEL_FP32_TOL,
                           f"parallelize_hf_model {family} tp=2")
@@ -132,7 +119,7 @@ def _on_rank_refusals():
 
 
 def test_hf_plan_refuses_an_unknown_model_type_and_an_unplanned_module_on_every_rank(pools):
-    _transformers()
+    import_transformers()
     for messages in pools(2).run(_on_rank_refusals):
         assert_one_line(messages["unknown"], ["model_type='gemma'", "'llama'", "'mistral'",
                                               "'qwen2'", "'qwen3'"], "unknown model type")
@@ -145,7 +132,7 @@ def test_hf_plan_refuses_an_unknown_model_type_and_an_unplanned_module_on_every_
 def test_hf_plan_refuses_what_it_cannot_split():
     from tensor_parallel_toy import dtensor_tp
 
-    _transformers()
+    import_transformers()
     config = tiny_hf_model("llama").config
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible by the "
                                          r"tensor-parallel size 4"):
@@ -163,7 +150,7 @@ def test_plan_coverage_names_the_first_uncovered_module_and_reads_patterns():
 
     from tensor_parallel_toy import dtensor_tp
 
-    _transformers()
+    import_transformers()
     model = tiny_hf_model("qwen3")
     config = model.config
     config.model_type = "llama"

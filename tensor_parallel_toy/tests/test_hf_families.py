@@ -23,8 +23,8 @@ from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.data_parallel import apply_fsdp, data_parallel_loss, split_batch
 
-from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, max_rel_error, mesh_2x2,
-                      random_batch)
+from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, draw_norms_and_biases_,
+                      import_transformers, max_rel_error, mesh_2x2, random_batch)
 
 SEQ, WINDOW = 11, 4  # 11: not a multiple of 2 or 4 (the TP model pads); longer than the window
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,27 +55,14 @@ OVERLAPS = {2: {name: (False, True) for name in SHAPES},
                 "head_dim": (True,)}}
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # a pinned requirement: its absence is a failure, not a skip
-        pytest.fail(f"transformers cannot be imported ({e}); pip install -r requirements.txt")
-    return transformers
-
-
 def hf_model(name, dtype=torch.float32):
     """The shape's random Hugging Face model (eval mode, the same for the same name)."""
-    transformers = _transformers()
+    transformers = import_transformers()
     config_cls, model_cls, change = SHAPES[name][:3]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**TINY, **change})
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-            elif pname.endswith("bias"):
-                param.normal_(0.0, 0.1)
+    draw_norms_and_biases_(model)
     return model.to(dtype)
 
 
@@ -275,7 +262,7 @@ def test_scaled_rotary_frequencies_are_transformers_own(rope, legacy):
     from tensor_parallel_toy.hf_checkpoint import config_from_hf
     from tensor_parallel_toy.rotary import rotary_frequencies
 
-    transformers = _transformers()
+    transformers = import_transformers()
     sizes = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=128, num_hidden_layers=1, vocab_size=128,
                  max_position_embeddings=131072)

@@ -46,6 +46,19 @@ def _batch_first_view(t):
     return leaf, leaf.transpose(0, 1)
 
 
+def _forward_backward(layer, x, dy, strided):
+    """y = layer(x), then backward from dy; returns (y, dx), dx laid out as x [s, b, ...].
+    `strided`: x and dy are passed as transposed views of batch-first tensors."""
+    x_leaf = x_in = x.requires_grad_()
+    if strided:
+        x_leaf, x_in = _batch_first_view(x_leaf)
+        dy = _batch_first_view(dy)[1]
+        assert not x_in.is_contiguous() and not dy.is_contiguous()
+    y = layer(x_in)
+    y.backward(dy)
+    return y, x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
+
+
 def _run_parallel_linear(kind, overlap, bias, dtype, full, group, strided=False):
     """Run one TP layer on this rank's shards of the full tensors; return full-shape-indexed
     views of the reference that this rank's results must equal, and those results.
@@ -61,16 +74,8 @@ def _run_parallel_linear(kind, overlap, bias, dtype, full, group, strided=False)
         layer.weight.copy_(feat(w, 0) if kind == "column" else feat(w, 1))
         if bias:
             layer.bias.copy_(feat(b, 0) if kind == "column" else b)
-    x_leaf = (seq(x) if kind == "column" else feat(x)).to(dev).requires_grad_()
-    dy_in = (feat(dy) if kind == "column" else seq(dy)).to(dev)
-    x_in = x_leaf
-    if strided:
-        x_leaf, x_in = _batch_first_view(x_leaf)
-        dy_in = _batch_first_view(dy_in)[1]
-        assert not x_in.is_contiguous() and not dy_in.is_contiguous()
-    y = layer(x_in)
-    y.backward(dy_in)
-    dx = x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
+    y, dx = _forward_backward(layer, (seq(x) if kind == "column" else feat(x)).to(dev),
+                              (feat(dy) if kind == "column" else seq(dy)).to(dev), strided)
     got = {"y": y, "dx": dx, "dw": layer.weight.grad}
     if bias:
         got["db"] = layer.bias.grad
@@ -269,16 +274,8 @@ def _on_rank_check_shaped_column(out_shape, split_dim, shared_tail, dtype_name, 
         share[view.first_shared_row(p):] = (r % k + 1) / (k * (k + 1) / 2)
     with torch.no_grad():
         layer.weight.copy_(w[rows]), layer.bias.copy_(b[rows])
-    x_leaf = x.chunk(p)[r].to(dev).requires_grad_()
-    dy_in = (dy[..., rows].float() * share).to(dev, dtype)
-    x_in = x_leaf
-    if strided:
-        x_leaf, x_in = _batch_first_view(x_leaf)
-        dy_in = _batch_first_view(dy_in)[1]
-        assert not x_in.is_contiguous() and not dy_in.is_contiguous()
-    y = layer(x_in)
-    y.backward(dy_in)
-    dx = x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
+    y, dx = _forward_backward(layer, x.chunk(p)[r].to(dev),
+                              (dy[..., rows].float() * share).to(dev, dtype), strided)
     got = {"y": y, "dx": dx, "dw": layer.weight.grad, "db": layer.bias.grad}
     want = {"y": lambda t: t[..., rows], "dx": lambda t: t.chunk(p)[r],
             "dw": lambda t: t[rows], "db": lambda t: t[rows]}

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from tensor_parallel_toy.config import ModelConfig
 
-from .helpers import CONFIG, fixed_batch, mesh_2x2
+from .helpers import (CONFIG, draw_norms_and_biases_, fixed_batch, mesh_2x2,
+                      value_error_messages)
 
 QK_CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=4,
                         num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, mlp="swiglu",
@@ -34,12 +35,7 @@ def _tiny_qwen3():
     config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                                       vocab_size=128, max_position_embeddings=64)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1)
-    return model
+    return draw_norms_and_biases_(transformers.Qwen3ForCausalLM(config).eval())  # no biases
 
 
 def _error_of(fn):
@@ -168,7 +164,6 @@ def _on_rank_different_options():
     from torch.distributed.device_mesh import DeviceMesh
 
     from tensor_parallel_toy import dtensor_tp
-    from tensor_parallel_toy.agreement import RanksDisagreeError
     from tensor_parallel_toy.classic_tp import apply_tensor_parallel
     from tensor_parallel_toy.model import Transformer
 
@@ -181,7 +176,6 @@ def _on_rank_different_options():
 
     group = dist.group.WORLD
     option = "first" if dist.get_rank() == 0 else None
-    messages = {}
     builders = {"ours": lambda: Transformer(CONFIG, tp_group=group, check_replicated_grads=option),
                 "hf": lambda: dtensor_tp.parallelize_hf_model(
                     _tiny_qwen3(), DeviceMesh.from_group(group, "cpu"),
@@ -190,14 +184,7 @@ def _on_rank_different_options():
                     Transformer(CONFIG), group, check_replicated_grads=option),
                 "classic": lambda: apply_tensor_parallel(
                     _FeedForward(), group, check_replicated_grads=option)}
-    for name, build in builders.items():
-        try:
-            build()
-            messages[name] = None
-        except RanksDisagreeError as e:
-            messages[name] = str(e)
-    dist.barrier()
-    return messages
+    return value_error_messages(builders)  # RanksDisagreeError is a ValueError
 
 
 def test_ranks_asking_for_different_guards_are_refused_at_construction(pools):
