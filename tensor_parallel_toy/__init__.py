@@ -1,20 +1,39 @@
 """tensor_parallel_toy: Megatron-style tensor + sequence parallelism with hand-written autograd.
 
-The library is this folder; `profiling/` is the harness behind `python -m tensor_parallel_toy
-profile`, and `tests/` the specification. Arrows run only from those two into the library.
+The idea is in the package's top files, read in this order: comm.py (the collectives and the
+region Functions), ring.py (the overlap), parallel_linear.py (the column and row layers),
+vocab_parallel.py (embedding and loss over a split vocabulary), model.py (the Transformer).
+The rest lives in named sub-packages beside it:
+
+    guards/     what makes a distributed run trustworthy: the ranks agree on the model and the
+                batch, ids in range, replicated gradients equal; attached to the layers and the
+                model from outside
+    apply/      tensor parallelism for a model of your own
+    interop/    PyTorch DTensor, FSDP2 / DDP, Hugging Face checkpoints
+    launcher/   process groups, the local worker pool, torchrun, the GPU check
+    support/    parameter metadata (what is split along which dim), full tensors <-> shards,
+                the GEMM helpers of the overlapped layers
+
+`profiling/` is the harness behind `python -m tensor_parallel_toy profile`, `post/` builds the
+blog post, `tests/` is the specification. Arrows run only from those into the library.
+
+What this file exports are the checked versions: `ColumnParallelLinear`, `RowParallelLinear`,
+`VocabParallelEmbedding` and `vocab_parallel_cross_entropy` as in the reading path, with the
+guards attached (guards/checked.py); `Transformer` carries them itself (one line in model.py).
 """
-from .classic_tp import apply_tensor_parallel, sync_replicated_gradients
+from .apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from .config import ModelConfig, RopeScaling
-from .dtensor_tp import parallelize_hf_model
-from .hf_checkpoint import from_hf, to_hf
+from .guards.checked import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                             vocab_parallel_cross_entropy)
+from .interop.dtensor_tp import parallelize_hf_model
+from .interop.hf_checkpoint import from_hf, to_hf
+from .launcher.initialize import WorkerPool, init_from_env, launch, shutdown
 from .model import Transformer
-from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
-                              row_parallel_linear)
-from .sharding import grad_norm
-from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .parallel_linear import column_parallel_linear, row_parallel_linear
+from .support.sharding import grad_norm
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RopeScaling", "RowParallelLinear",
-           "Transformer", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "column_parallel_linear", "from_hf", "grad_norm", "parallelize_hf_model",
-           "row_parallel_linear", "sync_replicated_gradients", "to_hf",
-           "vocab_parallel_cross_entropy"]
+           "Transformer", "VocabParallelEmbedding", "WorkerPool", "apply_tensor_parallel",
+           "column_parallel_linear", "from_hf", "grad_norm", "init_from_env", "launch",
+           "parallelize_hf_model", "row_parallel_linear", "shutdown",
+           "sync_replicated_gradients", "to_hf", "vocab_parallel_cross_entropy"]

@@ -11,7 +11,7 @@ import sys
 def _test(extra_args):
     import pytest
 
-    from .initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
+    from .launcher.initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
 
     gpus = gpu_count()
     shared = nccl_rank_capacity() > gpus
@@ -71,7 +71,7 @@ def main(argv=None):
         from .profiling.cli import main as profile_main
         return profile_main(extra)
     if args.command == "gpu-check":
-        from .gpu_check import main as gpu_check_main
+        from .launcher.gpu_check import main as gpu_check_main
         return gpu_check_main(extra)
     if args.command == "blog":
         if extra:

@@ -1,7 +1,7 @@
 """A pre-norm decoder-only transformer that runs with or without tensor + sequence parallelism.
 
 `Transformer(config)` is the plain single-device baseline (nn.Embedding, nn.Linear,
-F.cross_entropy, no collectives). `Transformer(config, tp_group=g)` is the same network split
+F.cross_entropy, no collectives). `Transformer(config, tp_group=group)` is the same network split
 Megatron-style:
 
     ids [s, b] --embedding (vocab rows split; reduce-scatter seq)--> [s/p, b, h]
@@ -21,23 +21,21 @@ A sequence whose length the TP size does not divide is padded at its end (token 
 ignore_index): causal attention hides the padding from every real token, and the loss skips
 it, so logits, loss and gradients are those of the unpadded sequence.
 """
-import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
-from .batch import check_batch
 from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
+from .guards.checked import with_guards  # the checks, attached from outside: see Transformer
 from .parallel_linear import column_parallel_or_plain, row_parallel_or_plain
-from .replicated_grads import check_every_option, watch_replicated_gradients
 from .rotary import apply_rotary, rotary_tables
-from .sharding import (draw_full_weights_, full_shape, gather_data_parallel, mark_init_std,
-                       named_layouts, record_layouts, scatter_data_parallel, shard, unshard)
-from .vocab_parallel import VocabParallelEmbedding, cross_entropy_of_shards
+from .support.sharding import (draw_full_weights_, full_shape, gather_data_parallel,
+                               mark_init_std, named_layouts, record_layouts,
+                               scatter_data_parallel, shard, unshard)
+from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -72,13 +70,13 @@ class Attention(nn.Module):
     """Causal attention, multi-head or grouped-query; under TP each rank owns num_heads/p whole
     query heads and the k/v heads they read.
 
-    One `qkv` weight whose rows are laid out k/v head by k/v head, `[nkv, (g q heads, k, v),
-    hd]`, g = num_heads / num_kv_heads: query head i reads k/v head i // g, and the rows of a
-    k/v head's whole group sit together. Multi-head attention is g = 1, `[heads, (q, k, v),
+    One `qkv` weight whose rows are laid out k/v head by k/v head, `[nkv, (n q heads, k, v),
+    hd]`, n = num_heads / num_kv_heads: query head i reads k/v head i // n, and the rows of a
+    k/v head's whole group sit together. Multi-head attention is n = 1, `[heads, (q, k, v),
     hd]`; MQA is nkv = 1. On rank r:
     - num_kv_heads >= p: a row shard holds nkv/p whole groups, k/v heads r*nkv/p:(r+1)*nkv/p
       with exactly the query heads that read them.
-    - num_kv_heads < p: the p/nkv ranks of one k/v head split its g query heads and each holds
+    - num_kv_heads < p: the p/nkv ranks of one k/v head split its n query heads and each holds
       a copy of its k and v rows. Each copy's gradient covers only its rank's query heads, so
       those rows are summed over the ranks that share them in backward (`comm.copy_shared_rows`,
       inside `ColumnParallelLinear`) and counted once by the gradient norm.
@@ -94,11 +92,12 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
         nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
-        g = nh // nkv
+        q_per_kv = nh // nkv
         self.head_dim, self.window = hd, config.sliding_window
-        self.q_per_kv = g // max(p // nkv, 1)  # this rank's query heads per k/v head it holds
+        # This rank's query heads per k/v head it holds: all of them, or its share of them.
+        self.q_per_kv = q_per_kv // max(p // nkv, 1)
         # Bias rows are laid out like the weight's, so they are split (and shared) the same way.
-        self.qkv = column_parallel_or_plain(h, (nkv, g + 2, hd), tp_group, overlap,
+        self.qkv = column_parallel_or_plain(h, (nkv, q_per_kv + 2, hd), tp_group, overlap,
                                             config.qkv_bias, split_dim=0, shared_tail=2)
         self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
         mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
@@ -119,18 +118,18 @@ class Attention(nn.Module):
         return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
 
     def forward(self, x, cos, sin):
-        g = self.q_per_kv  # this rank's query heads per k/v head: g, or g / (p / nkv)
-        qkv = self.qkv(x).unflatten(-1, (-1, g + 2, self.head_dim))  # [s, b, kv heads, g+2, hd]
+        n = self.q_per_kv  # query heads per k/v head on this rank
+        qkv = self.qkv(x).unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
         s, b = qkv.shape[:2]
-        q = qkv[:, :, :, :g].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
-        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]  # [s, b, kv heads here, hd] each
+        q = qkv[:, :, :, :n].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
+        k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [s, b, kv heads here, hd] each
         if self.q_norm is not None:  # each head's q and k normalised, then rotated
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
-        # enable_gqa: query head i reads k/v head i // g of this rank.
+        # enable_gqa: query head i reads k/v head i // n of this rank.
         o = F.scaled_dot_product_attention(q, k, v, **self._mask(s, q.device),
-                                           enable_gqa=g > 1)  # [b, nh/p, s, hd]
+                                           enable_gqa=n > 1)  # [b, nh/p, s, hd]
         o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
         return self.proj(o)  # [s/p, b, h]
 
@@ -182,6 +181,7 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+@with_guards  # rank agreement, batch and id checks, the replicated-gradient watch
 class Transformer(nn.Module):
     """Token embedding -> num_layers blocks -> final RMSNorm -> LM head.
 
@@ -191,39 +191,21 @@ class Transformer(nn.Module):
     the tokens whose label is not ignore_index, the same scalar on every rank, from
     vocab-sharded logits (never gathered).
 
-    The batch is validated once per call. First the TP ranks make sure they hold the same
-    one, as `same_batch` says ("check", the default: a checksum of ids and labels is compared
-    over the group and a difference raises on every rank; "broadcast": TP rank 0's batch is
-    copied into the other ranks' tensors, which must have its shape). Then its shape and
-    length always; its token ids and labels when `check_ids` says so (None, the default: when
-    they are on the CPU, which is free; True: also on a GPU, at one device-to-host copy per
-    checked tensor, ids and labels; False: never).
-
-    Under TP, construction ends with the ranks comparing a fingerprint of what they built
-    (config, TP size, overlap, seed, options, every parameter's shape and dtype): ranks that
-    built different models raise on every rank, naming the fields that differ.
-
-    `check_replicated_grads` ("first", or N for every N-th backward; None, the default: off)
-    checks at the end of a backward that every replicated parameter (the norms) has the same
-    gradient on every TP rank: one all-gather of 40 bytes per parameter (replicated_grads.py).
+    `@with_guards` (guards/checked.py) adds the checks, from outside this file: the ranks
+    compare what they built, each batch is checked before the forward's first collective,
+    and its options (`check_ids`, `same_batch`, `check_replicated_grads`) join the
+    constructor's keywords.
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0,
-                 check_ids=None, same_batch="check", check_replicated_grads=None):
+    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
-        config.check_tp_size(self.tp_size)  # before any collective can run
-        check_same_batch_option(same_batch)
-        check_every_option(check_replicated_grads)
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
-        self.check_ids, self.same_batch = check_ids, same_batch
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:  # the batch is checked here, once per call, not again in the embedding; the
-            # ranks compare the whole model once, below, not each layer on its own
+        else:
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                tp_group=tp_group, check_ids=False,
-                                                standalone=False)
+                                                tp_group=tp_group, init_weights=False)
         self.layers = nn.ModuleList(
             TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
@@ -240,13 +222,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
         record_layouts(self)  # where wrapping (fully_shard, DDP) cannot drop them
-        fingerprint = module_fingerprint(
-            self, **dataclasses.asdict(config), tp_size=self.tp_size, overlap=overlap,
-            seed=seed, check_ids=check_ids, same_batch=same_batch,
-            check_replicated_grads=check_replicated_grads)
-        check_ranks_agree(fingerprint, tp_group, "Transformers")  # one tiny all-gather
-        self.replicated_grads_watch = watch_replicated_gradients(self, tp_group,
-                                                                 check_replicated_grads)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
@@ -259,8 +234,6 @@ class Transformer(nn.Module):
 
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
-        check_batch(self, input_ids, labels, ignore_index=ignore_index,
-                    label_smoothing=label_smoothing, reduction=reduction)
         s = input_ids.shape[1]
         x = self.embed(pad_sequence(input_ids.t(), self.tp_size, 0))  # [s'/p, b, h]
         for layer in self.layers:
@@ -280,8 +253,9 @@ class Transformer(nn.Module):
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    reduction=reduction)
             return loss.view(labels.shape) if reduction == "none" else loss
-        return cross_entropy_of_shards(logits, labels, self.tp_group, ignore_index,
-                                       label_smoothing, reduction)
+        return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                            ignore_index=ignore_index,
+                                            label_smoothing=label_smoothing, reduction=reduction)
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

@@ -30,89 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .agreement import check_ranks_agree, module_fingerprint
 from .comm import (all_gather_seq, all_reduce_, copy_shared_rows, group_rank, group_size,
                    reduce_scatter_seq)
 from .config import check_divisible
 from .ring import Ring, ring_all_gather, ring_reduce_scatter
-from .sharding import SplitView, init_from_full_, mark_tensor_parallel
-
-
-def _flat(t):
-    """[s, b, n] -> [s*b, n] view (the GEMMs below are plain 2-D matmuls)."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def _linear_into(out, x, weight, bias):
-    """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
-    if bias is None:
-        torch.mm(_flat(x), weight.t(), out=_flat(out))
-    else:
-        torch.addmm(bias, _flat(x), weight.t(), out=_flat(out))
-
-
-def _bias_grad(dy):
-    return _flat(dy).sum(dim=0)
-
-
-_FP32_OUT_GEMM = {}  # device type -> whether a bf16/fp16 GEMM can write fp32 there (out_dtype)
-
-
-def _has_fp32_out_gemm(device):
-    """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs on this device for bf16 inputs:
-    on CUDA it does (one tensor-core GEMM, fp32 output), on CPU torch 2.13 has no such kernel.
-    Asked once per device type, by trying."""
-    if device.type not in _FP32_OUT_GEMM:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-        try:
-            _FP32_OUT_GEMM[device.type] = torch.mm(a, a, out_dtype=torch.float32).dtype == \
-                torch.float32
-        except (NotImplementedError, RuntimeError, TypeError):
-            _FP32_OUT_GEMM[device.type] = False
-    return _FP32_OUT_GEMM[device.type]
-
-
-def weight_grad_path(device, dtype):
-    """How the overlapped layers sum a weight gradient of `dtype` on `device`, in words (the
-    profile records it)."""
-    if dtype == torch.float32:
-        return "fp32 GEMMs into an fp32 sum"
-    if _has_fp32_out_gemm(device):
-        return f"{str(dtype).replace('torch.', '')} GEMMs with fp32 output into an fp32 sum"
-    return "inputs upcast to fp32, fp32 GEMMs into an fp32 sum"
-
-
-class _WeightGradAccumulator:
-    """dW = sum over chunks c of dY_c^T X_c, summed in fp32 whatever the weight's dtype.
-
-    Summing bf16 partial products in bf16 rounds once per chunk; one GEMM over the whole
-    sequence (the basic layers) rounds once at the end. Accumulating in fp32 and rounding once
-    keeps the overlapped weight gradient as accurate as the basic one (Megatron does the same
-    with its fused fp32 gradient accumulation). For bf16 inputs, where the device has a GEMM
-    that reads bf16 and writes fp32 (CUDA: `out_dtype`), each chunk is one such GEMM at bf16
-    speed into a scratch buffer, then added; elsewhere (CPU) the chunks are upcast and
-    multiplied in fp32, which is slower but the same arithmetic.
-    """
-
-    def __init__(self, weight):
-        self.dtype = weight.dtype
-        self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        self.fp32_out = self.dtype != torch.float32 and _has_fp32_out_gemm(weight.device)
-        self.scratch = torch.empty_like(self.acc) if self.fp32_out else None
-
-    def add(self, dy_c, x_c):
-        dy_c, x_c = _flat(dy_c), _flat(x_c)
-        if self.fp32_out:
-            # addmm's out_dtype form wants its addend in the inputs' dtype: multiply, then add.
-            torch.mm(dy_c.t(), x_c, out_dtype=torch.float32, out=self.scratch)
-            self.acc.add_(self.scratch)
-            return
-        if self.dtype != torch.float32:
-            dy_c, x_c = dy_c.float(), x_c.float()
-        self.acc.addmm_(dy_c.t(), x_c)
-
-    def result(self):
-        return self.acc.to(self.dtype)
+from .support.gemm import WeightGradAccumulator, bias_grad, flat, linear_into
+from .support.sharding import SplitView, init_from_full_, mark_tensor_parallel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,8 +44,9 @@ class _WeightGradAccumulator:
 class _AllGatherGemm(torch.autograd.Function):
     """forward: all-gather(seq) then GEMM; backward: GEMM then reduce-scatter(seq).
 
-    The all-gather is Korthikanti et al.'s sequence-parallel `g` (arXiv:2205.05198), fused
-    with the GEMM it feeds; the backward's reduce-scatter is its conjugate.
+    The all-gather is sequence parallelism's entry into the tensor-parallel region (Korthikanti
+    et al., arXiv:2205.05198), fused with the GEMM it feeds; the backward's reduce-scatter is
+    its conjugate.
 
     Saves only the local shard X_r (s/p rows), not the gathered X: keeping X would cost p times
     the activation memory that sequence parallelism exists to save. Backward re-gathers X while
@@ -145,8 +69,8 @@ class _AllGatherGemm(torch.autograd.Function):
         if gather is not None:
             gather.wait()
         dx_local, scatter = reduce_scatter_seq(dx_full, ctx.group, async_op=True)
-        dw = _flat(dy).t().mm(_flat(x_full))  # [out/p, in], runs while dX is reduce-scattered
-        db = _bias_grad(dy) if ctx.has_bias else None
+        dw = flat(dy).t().mm(flat(x_full))  # [out/p, in], runs while dX is reduce-scattered
+        db = bias_grad(dy) if ctx.has_bias else None
         if scatter is not None:
             scatter.wait()
         return dx_local, dw, db, None
@@ -167,7 +91,7 @@ class _RingAllGatherGemm(torch.autograd.Function):
         n = x_local.shape[0]
         y = x_local.new_empty((n * ring.size, *x_local.shape[1:-1], weight.shape[0]))
         ring_all_gather(x_local,
-                        lambda c, x_c: _linear_into(y[c * n:(c + 1) * n], x_c, weight, bias), ring)
+                        lambda c, x_c: linear_into(y[c * n:(c + 1) * n], x_c, weight, bias), ring)
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.has_bias = group, bias is not None
         return y
@@ -180,10 +104,10 @@ class _RingAllGatherGemm(torch.autograd.Function):
         n = x_local.shape[0]
         dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
 
-        dw = _WeightGradAccumulator(weight)
+        dw = WeightGradAccumulator(weight)
         ring_all_gather(x_local, lambda c, x_c: dw.add(dy_chunk(c), x_c), ring)
         dx_local = ring_reduce_scatter(lambda c: dy_chunk(c).matmul(weight), ring)
-        db = _bias_grad(dy) if ctx.has_bias else None
+        db = bias_grad(dy) if ctx.has_bias else None
         return dx_local, dw.result(), db, None
 
 
@@ -193,7 +117,7 @@ class _RingAllGatherGemm(torch.autograd.Function):
 def _reduced_bias_grad(dy_local, group):
     """The bias is added after the reduce-scatter, to this rank's s/p rows only, so each rank's
     bias gradient covers its own rows: sum them over the group to get the full gradient."""
-    return all_reduce_(_bias_grad(dy_local), group)
+    return all_reduce_(bias_grad(dy_local), group)
 
 
 def _finish_row_forward(ctx, y_local, x, weight, bias, group):
@@ -220,7 +144,7 @@ class _GemmReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy, _ = all_gather_seq(dy_local.contiguous(), ctx.group)  # [s, b, out]
         dx = dy.matmul(weight)  # [s, b, in/p]
-        dw = _flat(dy).t().mm(_flat(x))  # [out, in/p]
+        dw = flat(dy).t().mm(flat(x))  # [out, in/p]
         db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
         return dx, dw, db, None
 
@@ -249,10 +173,10 @@ class _GemmRingReduceScatter(torch.autograd.Function):
         # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
         # whose row slices are views (a reshape of a strided slice would be a copy).
         dx = x.new_empty(x.shape)
-        dw = _WeightGradAccumulator(weight)
+        dw = WeightGradAccumulator(weight)
 
         def consume(c, dy_c):
-            torch.mm(_flat(dy_c), weight, out=_flat(dx[c * n:(c + 1) * n]))
+            torch.mm(flat(dy_c), weight, out=flat(dx[c * n:(c + 1) * n]))
             dw.add(dy_c, x[c * n:(c + 1) * n])
 
         ring_all_gather(dy_local, consume, ring)
@@ -294,7 +218,7 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None, standalone=True, view=None):
+                 device=None, dtype=None, init_weights=True, view=None):
         super().__init__()
         p = group_size(tp_group)
         if view is not None:
@@ -314,16 +238,10 @@ class _ParallelLinear(nn.Module):
             self.bias = mark_tensor_parallel(
                 nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype)),
                 0 if split_dim == 0 else None, view)
-        if standalone:  # inside a model, the model draws its weights and compares its ranks, once
-            # nn.Linear's default init of the *full* weight, of which this rank keeps its slice.
+        if init_weights:  # nn.Linear's init of the *full* weight; this rank keeps its slice
             bound = 1 / math.sqrt(in_features)
             init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
                             tp_group)
-            check_ranks_agree(module_fingerprint(
-                self, layer=type(self).__name__, in_features=in_features,
-                out_features=out_features, tp_size=p, overlap=overlap,
-                split=None if view is None else (view.split_dim, view.shared_tail)), tp_group,
-                f"{type(self).__name__}s")
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -338,22 +256,18 @@ class ColumnParallelLinear(_ParallelLinear):
     `out_features` may be a shape, for outputs that are several things side by side: the full
     weight is then `[prod(shape), in]`, its rows that shape flattened, and `split_dim` says
     which dim of the shape is split over the ranks. SwiGLU's gate and up are `(2, f)` split
-    along 1: rank r holds its f/p gate rows, then its f/p up rows, `[2f/p, in]`. Attention's q,
-    k, v are `(nkv, g + 2, hd)` (per k/v head: its g query heads, then k, then v) split along
-    0, with `shared_tail=2`: when there are fewer k/v heads than ranks, the ranks sharing one
-    split its g query heads and each holds its k and v, whose gradient they sum in backward
-    (`comm.copy_shared_rows`). Either way the shard is one `[rows, in]` weight: one GEMM, whose
-    output `[s, b, rows]` the caller unflattens into its part of the shape. The layout is a
-    `sharding.SplitView`, which checkpoints, full state dicts and the gradient norm read.
+    along 1: rank r holds its f/p gate rows, then its f/p up rows, `[2f/p, in]`; a fused q|k|v
+    `(3, heads, hd)` split along 1 gives each rank its q, k and v of its heads. Either way the
+    shard is one `[rows, in]` weight: one GEMM, whose output `[s, b, rows]` the caller
+    unflattens into its part of the shape. Attention's `shared_tail` (rows several ranks hold,
+    when there are fewer k/v heads than ranks) is explained there, in model.py.
 
-    `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
-    slice), and the ranks of tp_group compare a fingerprint of the layer (agreement.py), so a
-    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
-    model does both, once for all its layers.
+    `init_weights`: draw the full weight as nn.Linear does and keep this rank's slice (a model
+    that draws all its weights at once, as `Transformer` does, passes False).
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 split_dim=0, shared_tail=0, device=None, dtype=None, standalone=True):
+                 split_dim=0, shared_tail=0, device=None, dtype=None, init_weights=True):
         shaped = not isinstance(out_features, int)
         if not shaped and (split_dim, shared_tail) != (0, 0):
             raise ValueError(f"split_dim={split_dim}, shared_tail={shared_tail} with "
@@ -361,7 +275,7 @@ class ColumnParallelLinear(_ParallelLinear):
                              f"give out_features as a tuple, or leave them at 0")
         view = SplitView(tuple(out_features), split_dim, shared_tail) if shaped else None
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
-                         standalone, view)
+                         init_weights, view)
         p = self.tp_size
         # Rows shared with other ranks (a k/v head's): from which row on, the slot of the
         # ranks that share them, and how many such slots there are.
@@ -371,7 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x):
         weight, bias = self.weight, self.bias
-        if self.shared is not None:
+        if self.shared is not None:  # `f` over the ranks that share these rows
             weight = copy_shared_rows(weight, *self.shared, self.tp_group)
             if bias is not None:
                 bias = copy_shared_rows(bias, *self.shared, self.tp_group)
@@ -383,16 +297,13 @@ class RowParallelLinear(_ParallelLinear):
 
     Weight shard `[out, in/p]` = columns r*in/p:(r+1)*in/p of the full weight; the bias `[out]`
     is replicated and added after the reduce-scatter (its gradient is summed over the group).
-    `standalone=True`: the full weight is drawn as nn.Linear draws it (this rank keeps its
-    slice), and the ranks of tp_group compare a fingerprint of the layer (agreement.py), so a
-    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
-    model does both, once for all its layers.
+    `init_weights`: as for ColumnParallelLinear.
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None, standalone=True):
+                 device=None, dtype=None, init_weights=True):
         super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype,
-                         standalone)
+                         init_weights)
 
     def forward(self, x):
         return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
@@ -401,26 +312,24 @@ class RowParallelLinear(_ParallelLinear):
 def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
                              bias=False, split_dim=0, shared_tail=0):
     """`nn.Linear` for the non-TP baseline (tp_group=None; a shaped `out_features` flattened),
-    else a ColumnParallelLinear for a model that draws its weights and checks its ranks agree
-    as a whole (`Transformer` does, once; a bare block: `sharding.draw_full_weights_`), not per
-    layer. Either way the output is `[..., rows]` with the rows in the same order."""
+    else a ColumnParallelLinear whose weights the model draws (`init_weights=False`). Either
+    way the output is `[..., rows]` with the rows in the same order."""
     if tp_group is None:
         rows = out_features if isinstance(out_features, int) else math.prod(out_features)
         return nn.Linear(in_features, rows, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
                                 overlap=overlap, split_dim=split_dim, shared_tail=shared_tail,
-                                standalone=False)
+                                init_weights=False)
 
 
 def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
                           bias=False):
-    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear for a
-    model that draws its weights and checks its ranks agree as a whole (`Transformer` does,
-    once; a bare block: `sharding.draw_full_weights_`), not per layer."""
+    """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear whose
+    weights the model draws (`init_weights=False`)."""
     if tp_group is None:
         return nn.Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                             overlap=overlap, standalone=False)
+                             overlap=overlap, init_weights=False)
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_or_plain",

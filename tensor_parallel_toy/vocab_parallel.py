@@ -10,22 +10,18 @@ b = batch. Rank r owns vocabulary rows `r*V/p:(r+1)*V/p` (its "shard") of
 
 With `tie_embeddings` both are one weight; the shards line up because both split the same rows.
 
-Token ids and labels out of range would be masked on every rank and silently become zero
-embeddings or wrong losses, so they are checked, on the host: `check_ids=None` (the default)
-checks a CPU tensor on every call, which costs nothing, and leaves a GPU tensor alone, because
-reading it would make the host wait for the device on every step; `True` checks either (one
-device-to-host copy per checked tensor on a GPU), `False` neither (the caller checked already,
-as `Transformer` does once per call).
+An id outside the vocabulary would be masked on every rank and silently become a zero
+embedding or a wrong loss: the package's exported layer and loss, and the Transformer, check
+ids and labels before any collective (guards/); the code here assumes they are in range.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .agreement import check_ranks_agree, module_fingerprint
 from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
 from .config import check_divisible
-from .sharding import init_from_full_, mark_tensor_parallel
+from .support.sharding import init_from_full_, mark_tensor_parallel
 
 
 def vocab_range(vocab_size, group):
@@ -33,31 +29,6 @@ def vocab_range(vocab_size, group):
     shard = vocab_size // group_size(group)
     start = group_rank(group) * shard
     return start, start + shard
-
-
-def check_token_ids(ids, vocab_size, what, ignore_index=None, check_ids=None):
-    """Raise one line naming the first id outside 0..vocab_size-1 (ignore_index aside).
-
-    The ids are the same on every rank, so every rank raises here, before any collective.
-    `check_ids`: see the module docstring (None: only when `ids` is on the CPU).
-    """
-    if check_ids is False or (check_ids is None and ids.device.type != "cpu"):
-        return
-    bad = (ids < 0) | (ids >= vocab_size)
-    if ignore_index is not None:
-        bad &= ids != ignore_index
-    if bad.any():
-        value = ids[bad][0].item()
-        extra = "" if ignore_index is None else f" or ignore_index={ignore_index}"
-        raise ValueError(f"{what} {value} is out of range: valid are 0..{vocab_size - 1}{extra}")
-
-
-def check_loss_options(label_smoothing, reduction):
-    """What F.cross_entropy would refuse of its options, refused here with one line."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction={reduction!r}: valid are 'mean', 'sum', 'none'")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -73,30 +44,24 @@ class VocabParallelEmbedding(nn.Module):
     all-gather gives every rank the gradient of all tokens, and the lookup's backward keeps
     those of its own vocabulary rows.
 
-    `standalone=True`: the full table is drawn as nn.Embedding draws it (this rank keeps its
-    rows), and the ranks of tp_group compare a fingerprint of the table (agreement.py), so a
-    rank that built another one raises, on every rank. Inside a model (`standalone=False`) the
-    model does both, once.
+    `init_weights`: draw the full table as nn.Embedding does and keep this rank's rows (a
+    model that draws all its weights at once passes False).
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, tp_group, check_ids=None, device=None,
-                 dtype=None, standalone=True):
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group, device=None, dtype=None,
+                 init_weights=True):
         super().__init__()
         p = group_size(tp_group)
         check_divisible("num_embeddings", num_embeddings, p)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_group, self.check_ids = tp_group, check_ids
+        self.tp_group = tp_group
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
-        if standalone:  # inside a model, the model draws its weights and compares its ranks
+        if init_weights:
             init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
-            check_ranks_agree(module_fingerprint(
-                self, num_embeddings=num_embeddings, embedding_dim=embedding_dim, tp_size=p,
-                check_ids=check_ids), tp_group, "VocabParallelEmbeddings")
 
     def forward(self, input_ids):
-        check_token_ids(input_ids, self.num_embeddings, "token id", check_ids=self.check_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)  # any valid row
         x = F.embedding(local_ids, self.weight)  # [s, b, h]
@@ -171,7 +136,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index=-100,
-                                 label_smoothing=0.0, reduction="mean", check_ids=None):
+                                 label_smoothing=0.0, reduction="mean"):
     """`F.cross_entropy(full_logits, labels, ...)` computed from this rank's logit columns.
 
     logits_local `[..., V/p]` (this rank's vocabulary shard, as from a ColumnParallelLinear
@@ -179,22 +144,7 @@ def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index
     would on the full `[..., V]` logits, in fp32 and the same on every rank: `reduction="mean"`
     averages over the tokens whose label is not ignore_index (nan if there are none, as in
     PyTorch), "sum" adds them, "none" gives the `[...]` per-token losses (0 where ignored).
-    `check_ids` decides when the labels are range-checked (see the module docstring).
     """
-    if labels.shape != logits_local.shape[:-1]:
-        raise ValueError(f"labels of shape {list(labels.shape)} do not match logits of shape "
-                         f"{list(logits_local.shape)} (expected {list(logits_local.shape[:-1])})")
-    check_loss_options(label_smoothing, reduction)
-    check_token_ids(labels, logits_local.shape[-1] * group_size(tp_group), "label", ignore_index,
-                    check_ids)
-    return cross_entropy_of_shards(logits_local, labels, tp_group, ignore_index,
-                                   label_smoothing, reduction)
-
-
-def cross_entropy_of_shards(logits_local, labels, tp_group, ignore_index, label_smoothing,
-                            reduction):
-    """`vocab_parallel_cross_entropy` without its checks, for a caller that made them already
-    (the Transformer checks each batch once, before its first collective)."""
     vocab_size = logits_local.shape[-1] * group_size(tp_group)
     loss = _VocabParallelCrossEntropy.apply(
         logits_local.reshape(-1, logits_local.shape[-1]), labels.reshape(-1), tp_group,

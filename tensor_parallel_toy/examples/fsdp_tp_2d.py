@@ -13,11 +13,10 @@ import os
 
 import torch
 
-from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy import ModelConfig, Transformer, launch
 from tensor_parallel_toy.comm import all_reduce_
-from tensor_parallel_toy.data_parallel import (apply_fsdp, data_parallel_loss, init_mesh_2d,
+from tensor_parallel_toy.interop.data_parallel import (apply_fsdp, data_parallel_loss, init_mesh_2d,
                                                split_batch)
-from tensor_parallel_toy.initialize import launch
 from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,

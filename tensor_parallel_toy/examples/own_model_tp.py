@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tensor_parallel_toy.classic_tp import apply_tensor_parallel, sync_replicated_gradients
-from tensor_parallel_toy.initialize import launch
-from tensor_parallel_toy.sharding import named_layouts, tensor_parallel_dim
+from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
+from tensor_parallel_toy import launch
+from tensor_parallel_toy.support.sharding import named_layouts, tensor_parallel_dim
 
 TOL = 1e-5  # fp32: TP only changes the order of additions
 

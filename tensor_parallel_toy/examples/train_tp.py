@@ -12,8 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import ModelConfig, Transformer
-from tensor_parallel_toy.initialize import launch
+from tensor_parallel_toy import ModelConfig, Transformer, launch
 from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,

@@ -23,9 +23,9 @@ import types
 
 import torch
 
-from .. import dtensor_tp
+from ..interop import dtensor_tp
 from ..config import ModelConfig
-from ..initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
+from ..launcher.initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
 from . import link, report, sweep
 from .data import CORPUS_VOCAB
 from .phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases, under_torchrun,

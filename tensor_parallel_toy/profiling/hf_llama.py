@@ -21,9 +21,9 @@ the profile's data, the padding the same on every row).
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from .. import dtensor_tp
+from ..interop import dtensor_tp
 from ..config import ModelConfig
-from ..hf_checkpoint import config_from_hf, to_hf
+from ..interop.hf_checkpoint import config_from_hf, to_hf
 from ..model import Transformer
 
 

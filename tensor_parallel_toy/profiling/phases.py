@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_objects
+from ..guards.collectives import all_gather_objects
 from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train
 from .output import write_text
 
@@ -105,9 +105,17 @@ class _LoadMeter:
 
 
 def _weight_grad_path(dtype):
-    from ..initialize import current_device
-    from ..parallel_linear import weight_grad_path
-    return weight_grad_path(current_device(), dtype)
+    """How the overlapped layers sum a weight gradient of `dtype` on this rank's device, in
+    words (support/gemm.py's WeightGradAccumulator), for the results."""
+    import torch
+
+    from ..launcher.initialize import current_device
+    from ..support.gemm import has_fp32_out_gemm
+    if dtype == torch.float32:
+        return "fp32 GEMMs into an fp32 sum"
+    if has_fp32_out_gemm(current_device()):
+        return f"{str(dtype).replace('torch.', '')} GEMMs with fp32 output into an fp32 sum"
+    return "inputs upcast to fp32, fp32 GEMMs into an fp32 sum"
 
 
 def run_phases(runner, args):

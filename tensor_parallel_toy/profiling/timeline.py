@@ -18,9 +18,9 @@ means follows the device:
   finished the transfer yet. A transfer's bar runs from its post (NCCL's stream may start
   then) to the end of its wait. Posting costs the host, not the stream: no "post" spans.
 
-Every transfer of the package passes through `comm.transfer`; `record_into(clock)` installs a
-`_Recorder` there with `comm.recording`, so whatever runs inside it has every collective and
-ring step seen (a whole model's: the vocabulary-parallel embedding and loss and the norms' `f`
+`record_into(clock)` watches torch.distributed's entry points from outside the library
+(transfers.py's `recording`) with a `_Recorder`, so whatever runs inside it has every
+collective and ring step seen (a whole model's: the vocabulary-parallel embedding and loss and the norms' `f`
 included; the profile records one block), and the code being timed is the package's
 own, unmodified.
 """
@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm
-from ..comm import barrier, reduce_numbers
-from ..initialize import current_device
+from ..guards.collectives import barrier, reduce_numbers
+from ..launcher.initialize import current_device
 from ..model import TransformerBlock, rotary_tables
-from ..sharding import draw_full_weights_
+from ..support.sharding import draw_full_weights_
 from .metrics import stamp
+from .transfers import recording
 from .metrics import summarize as distribution
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
@@ -109,7 +109,7 @@ class _TimedHandle:
 
 
 class _Recorder:
-    """What `comm.recording` calls for each transfer (see comm.transfer)."""
+    """What `transfers.recording` calls for each transfer."""
 
     def __init__(self, clock):
         self.clock = clock
@@ -131,7 +131,7 @@ class _Recorder:
 @contextlib.contextmanager
 def record_into(clock):
     """Record every transfer of the package and time every op, into `clock`."""
-    with comm.recording(_Recorder(clock)), _OpTimer(clock):
+    with recording(_Recorder(clock)), _OpTimer(clock):
         yield clock
 
 

@@ -25,8 +25,8 @@ The difference to the `tp` mode is therefore sequence parallelism plus the vocab
 """
 import torch.distributed as dist
 
-from ..classic_tp import apply_tensor_parallel
-from ..initialize import current_device
+from ..apply.classic_tp import apply_tensor_parallel
+from ..launcher.initialize import current_device
 from . import data
 from .metrics import SavedActivationBytes
 from .train import build_model, make_optimizer, train_step

@@ -27,12 +27,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import dtensor_tp
-from ..comm import all_reduce_, barrier
-from ..data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
-from ..initialize import current_device
+from ..interop import dtensor_tp
+from ..comm import all_reduce_
+from ..guards.collectives import barrier
+from ..interop.data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
+from ..launcher.initialize import current_device
 from ..model import Transformer
-from ..sharding import grad_norm
+from ..support.sharding import grad_norm
 from . import data, hf_llama
 from .metrics import SavedActivationBytes, now, state_bytes
 from .output import atomic_path

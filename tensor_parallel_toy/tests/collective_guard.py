@@ -5,8 +5,10 @@ Two rules, the ones NCCL enforces the hard way (a group initialised with "nccl" 
 backend: a CPU tensor fails with "No backend type associated with device type cpu"):
 - every tensor a collective or P2P call touches lives on the group's device,
   `comm.group_device(group)`;
-- the package reaches torch.distributed only through comm.py, the one place that puts tensors
-  on that device, so no module can quietly make a CPU tensor for a GPU group.
+- the package reaches torch.distributed only through comm.py and guards/collectives.py, the
+  places that put tensors on that device, so no module can quietly make a CPU tensor for a GPU
+  group (the profile's `transfers.recording`, which wraps the same entry points, is looked
+  through to its caller).
 On CPU (gloo) the first rule can only pass; the second is what fails there when a module talks
 to torch.distributed on its own, as the profile's timing code once did. Under NCCL (the GPU
 check) both rules are live. Violations are collected, not raised, so that every rank still
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tensor_parallel_toy import comm
+from tensor_parallel_toy.guards import collectives
+from tensor_parallel_toy.profiling import transfers
 
 # The communication entry points of torch.distributed that a module might call. Not isend and
 # irecv: P2POp accepts only the originals as its op (comm.send_recv passes them to P2POp, and
@@ -28,7 +32,8 @@ _ENTRY_POINTS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gath
                  "broadcast", "barrier", "all_gather_object", "broadcast_object_list",
                  "batch_isend_irecv", "send", "recv", "all_to_all_single", "gather", "scatter",
                  "reduce")
-_DOOR = comm.__name__  # the one module of the package allowed to call them
+_DOORS = {comm.__name__, collectives.__name__}  # the modules of the package allowed to call them
+_LOOKED_THROUGH = transfers.__name__
 
 
 def _tensors(value):
@@ -54,12 +59,20 @@ def _group_of(args, kwargs):
 
 def _guarded(name, fn, violations):
     def call(*args, **kwargs):
-        frame = sys._getframe(1)
+        frame = probe = sys._getframe(1)
+        for _ in range(8):  # inside a recording: the caller is whoever called its wrapper
+            if probe is None:
+                break
+            if probe.f_globals.get("__name__") == _LOOKED_THROUGH and \
+                    probe.f_code.co_name == "call":
+                frame = probe.f_back
+                break
+            probe = probe.f_back
         caller = frame.f_globals.get("__name__", "?")
         where = f"{caller}:{frame.f_lineno}"
-        if caller.startswith("tensor_parallel_toy") and caller != _DOOR:
+        if caller.startswith("tensor_parallel_toy") and caller not in _DOORS:
             violations.add(f"{where} called torch.distributed.{name} directly, not through "
-                           f"comm.py")
+                           f"comm.py or guards/collectives.py")
         device = comm.group_device(_group_of(args, kwargs))
         for t in _tensors([*args, *kwargs.values()]):
             if t.device != device:

@@ -5,7 +5,7 @@ not once per test. A pool that lost a rank (a worker error kills it) is replaced
 """
 import pytest
 
-from tensor_parallel_toy.initialize import WorkerPool, gpu_count, nccl_rank_capacity
+from tensor_parallel_toy.launcher.initialize import WorkerPool, gpu_count, nccl_rank_capacity
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensor_parallel_toy.config import ModelConfig
-from tensor_parallel_toy.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
+from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
                                             nccl_rank_capacity)
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.profiling.spec import DTYPES  # noqa: F401 (the one name -> dtype map)
-from tensor_parallel_toy.sharding import grad_norm
+from tensor_parallel_toy.support.sharding import grad_norm
 
 FP32_TOL = 1e-5  # one layer, fp32, against fp64
 MODEL_FP32_TOL = 1e-5  # whole model in fp32, along SGD steps: measured worst ~1e-6
@@ -264,7 +264,7 @@ _MESHES = {}  # per rank process: creating a mesh's groups is collective, and th
 def mesh_2x2():
     """The ("dp", "tp") = 2 x 2 DeviceMesh of a 4-rank pool, made on first use inside a rank:
     every test on the shared pool reuses it."""
-    from tensor_parallel_toy.data_parallel import init_mesh_2d
+    from tensor_parallel_toy.interop.data_parallel import init_mesh_2d
 
     if "2x2" not in _MESHES:
         _MESHES["2x2"] = init_mesh_2d(dp_size=2, tp_size=2)

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from tensor_parallel_toy import ModelConfig, Transformer, dtensor_tp
+from tensor_parallel_toy import ModelConfig, Transformer
+from tensor_parallel_toy.interop import dtensor_tp
 from tensor_parallel_toy.comm import all_reduce_
-from tensor_parallel_toy.data_parallel import (apply_ddp, apply_fsdp, data_parallel_loss,
+from tensor_parallel_toy.interop.data_parallel import (apply_ddp, apply_fsdp, data_parallel_loss,
                                                init_mesh_2d, split_batch)
-from tensor_parallel_toy.sharding import grad_norm, named_layouts
+from tensor_parallel_toy.support.sharding import grad_norm, named_layouts
 
 from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, mesh_2x2, random_batch,
                       train_beside_baseline, value_error_messages)

@@ -6,9 +6,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tensor_parallel_toy.classic_tp import apply_tensor_parallel, sync_replicated_gradients
+from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from tensor_parallel_toy.comm import all_gather_dim
-from tensor_parallel_toy.sharding import tensor_parallel_dim
+from tensor_parallel_toy.support.sharding import tensor_parallel_dim
 
 from .helpers import FP32_TOL, assert_errors, assert_one_line, max_rel_error
 
@@ -166,7 +166,7 @@ def test_unsupported_layers_are_refused_with_one_clear_error(pools):
 def test_a_subclass_declaration_overrides_its_base_whichever_name_each_uses():
     """The nearest class in the MRO decides, as for any attribute: a subclass that declares
     `tp_column` over a base declaring `_tp_col` is not a conflict. Group of one: no ranks."""
-    from tensor_parallel_toy.classic_tp import ClassicColumnParallel
+    from tensor_parallel_toy.apply.classic_tp import ClassicColumnParallel
 
     class Base(nn.Module):
         _tp_col = "a"
@@ -187,7 +187,7 @@ def test_a_subclass_declaration_overrides_its_base_whichever_name_each_uses():
 
 def test_a_declaration_on_the_module_itself_comes_before_its_class():
     """A model whose classes cannot be edited is declared on its modules. Group of one."""
-    from tensor_parallel_toy.classic_tp import ClassicColumnParallel, ClassicRowParallel
+    from tensor_parallel_toy.apply.classic_tp import ClassicColumnParallel, ClassicRowParallel
 
     class Block(nn.Module):
         tp_column, tp_row = "a", "c"

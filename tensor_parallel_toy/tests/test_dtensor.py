@@ -12,7 +12,8 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from tensor_parallel_toy import Transformer, dtensor_tp
+from tensor_parallel_toy import Transformer
+from tensor_parallel_toy.interop import dtensor_tp
 
 from .helpers import (CONFIG, MODEL_FP32_TOL, assert_errors, fixed_batch, max_rel_error,
                       train_beside_baseline)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensor_parallel_toy import Transformer, from_hf, to_hf
-from tensor_parallel_toy.hf_checkpoint import config_from_hf
+from tensor_parallel_toy.interop.hf_checkpoint import config_from_hf
 
 from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
                       import_transformers, max_rel_error, random_batch)

@@ -59,7 +59,7 @@ def _on_rank_plan_vs_unsharded(family):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     group = dist.group.WORLD
     ref, model = tiny_hf_model(family), tiny_hf_model(family)
@@ -103,7 +103,7 @@ def test_pytorch_plan_on_each_hugging_face_family_matches_it_unsharded(pools, fa
 def _on_rank_refusals():
     from torch.distributed.device_mesh import DeviceMesh
 
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     unknown = tiny_hf_model("llama")
@@ -130,7 +130,7 @@ def test_hf_plan_refuses_an_unknown_model_type_and_an_unplanned_module_on_every_
 
 
 def test_hf_plan_refuses_what_it_cannot_split():
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     import_transformers()
     config = tiny_hf_model("llama").config
@@ -148,7 +148,7 @@ def test_plan_coverage_names_the_first_uncovered_module_and_reads_patterns():
     them; a PrepareModuleInput entry alone does not."""
     from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     import_transformers()
     model = tiny_hf_model("qwen3")

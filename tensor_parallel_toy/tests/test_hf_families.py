@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.comm import all_reduce_
-from tensor_parallel_toy.data_parallel import apply_fsdp, data_parallel_loss, split_batch
+from tensor_parallel_toy.interop.data_parallel import apply_fsdp, data_parallel_loss, split_batch
 
 from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, draw_norms_and_biases_,
                       import_transformers, max_rel_error, mesh_2x2, random_batch)
@@ -236,7 +236,7 @@ def test_our_transformers_dtensor_plan_refuses_per_head_norms():
     """The plan for our Transformer has no style for a replicated weight inside the TP region:
     it would train with partial gradients, so it refuses it in one line. (The Hugging Face
     plan covers Qwen3's: test_hf_dtensor.py.)"""
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     config = dataclasses.replace(reference("qwen3")[0], mlp="gelu")
     with pytest.raises(ValueError, match=r"^qk_norm=True: [^\n]*partial"):
@@ -259,7 +259,7 @@ def test_scaled_rotary_frequencies_are_transformers_own(rope, legacy):
 
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tensor_parallel_toy.hf_checkpoint import config_from_hf
+    from tensor_parallel_toy.interop.hf_checkpoint import config_from_hf
     from tensor_parallel_toy.rotary import rotary_frequencies
 
     transformers = import_transformers()

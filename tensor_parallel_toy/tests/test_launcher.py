@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import initialize
-from tensor_parallel_toy.initialize import WorkerError, WorkerPool, choose_backend
+from tensor_parallel_toy.launcher import initialize
+from tensor_parallel_toy.launcher.initialize import WorkerError, WorkerPool, choose_backend
 
 STOP_WITHIN_S = 30
 
@@ -130,7 +130,7 @@ def test_nccl_streams_keep_torch_default_priority_unless_asked():
 
 
 def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
-    from tensor_parallel_toy import gpu_check
+    from tensor_parallel_toy.launcher import gpu_check
     for gpus, flags, words in [(0, [], ["no CUDA GPU here"]),
                                (1, [], ["1 CUDA GPU", "--share-gpu"])]:
         assert gpu_check.main(flags, gpus=gpus) == 2
@@ -141,7 +141,7 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
 
 
 def test_gpu_check_plan_runs_the_nccl_tests_sanitizer_profile_and_large_benchmark(tmp_path):
-    from tensor_parallel_toy import gpu_check
+    from tensor_parallel_toy.launcher import gpu_check
     from tensor_parallel_toy.profiling import cli
     out = str(tmp_path)
     steps = {s.name: s for s in gpu_check.plan(2, False, out)}

@@ -12,13 +12,17 @@
 - No test file imports from another test file: what tests share lives in `tests/helpers.py`.
 """
 import ast
+import io
 import os
 import re
+import tokenize
 
 import pytest
 
 PACKAGE = "tensor_parallel_toy"
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARY_ROOMS = ("guards", "apply", "interop", "launcher", "support")  # beside the reading path
+READING_PATH_MAX_CODE_LINES = 650
 
 
 def _modules(package_dir):
@@ -134,11 +138,68 @@ def test_the_rooms_exist_and_the_library_readme_names_every_module():
     modules = {f for f in library if f != "__init__.py"} | set(harness)
     modules |= {f"post/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "post"))
                 if f.endswith(".py") and f != "__init__.py"}
-    modules |= {f"examples/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "examples"))
-                if f.endswith(".py") and f != "__init__.py"}
+    for room in ("examples", *LIBRARY_ROOMS):
+        modules |= {f"{room}/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, room))
+                    if f.endswith(".py") and f != "__init__.py"}
     assert modules <= named, f"not in tensor_parallel_toy/README.md: {sorted(modules - named)}"
     stale = {n for n in named if not n.startswith(("test_", "conftest", "helpers"))} - modules
     assert not stale, f"tensor_parallel_toy/README.md names modules that do not exist: {stale}"
+
+
+def reading_path():
+    """The files the library README's `Reading path:` line names, in its order."""
+    with open(os.path.join(PACKAGE_DIR, "README.md"), encoding="utf-8") as f:
+        lines = [line for line in f if line.startswith("Reading path:")]
+    assert len(lines) == 1, f"{len(lines)} lines begin with 'Reading path:' in the library README"
+    return re.findall(r"`([\w/]+\.py)`", lines[0])
+
+
+def code_lines(path):
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                              tokenize.DEDENT, tokenize.ENDMARKER):
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_the_reading_path_is_short_and_enters_no_guard():
+    """A learner follows the idea from the region functions to the Transformer without entering
+    a check: the reading path holds at most 650 lines of code, and only model.py touches the
+    guards, in one import (the decorator that attaches them from outside)."""
+    path = reading_path()
+    assert path[:2] == ["comm.py", "ring.py"] and path[-1] == "model.py" and \
+        "parallel_linear.py" in path, path
+    counts = {f: code_lines(os.path.join(PACKAGE_DIR, f)) for f in path}
+    assert sum(counts.values()) <= READING_PATH_MAX_CODE_LINES, counts
+    modules = _modules(PACKAGE_DIR)
+    packages = {m for m, p in modules.items() if p.endswith("__init__.py")}
+    for name in path:
+        module = f"{PACKAGE}.{name[:-3].replace('/', '.')}"
+        with open(modules[module], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        guards = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and _resolve(module, node, packages).startswith(f"{PACKAGE}.guards")]
+        assert len(guards) <= (1 if name == "model.py" else 0), f"{name} imports guards at " \
+                                                                  f"lines {guards}"
+        called = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and isinstance(node.func, (ast.Name, ast.Attribute))}
+        # check_divisible: a shape precondition of the split itself (Megatron's
+        # ensure_divisibility), not a guard.
+        checks = sorted(c for c in called if c.startswith(("check_", "agree_"))
+                        and c != "check_divisible")
+        assert not checks, f"{name} calls {checks}"
 
 
 def test_imports_run_into_the_library_and_no_private_name_crosses_a_module():

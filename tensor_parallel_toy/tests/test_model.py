@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLinear, Transformer
-from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.launcher.initialize import current_device
 
 from .helpers import (BACKENDS, BATCH, CONFIG, assert_bf16, assert_errors,
                       assert_matches_baseline, assert_one_line, compare_on_world, fixed_batch,

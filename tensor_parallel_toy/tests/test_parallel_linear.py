@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tensor_parallel_toy import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                                  row_parallel_linear)
-from tensor_parallel_toy.initialize import current_device
+from tensor_parallel_toy.launcher.initialize import current_device
 
 from .helpers import (BACKENDS, BATCH, DTYPES, FP32_TOL, SEQ, assert_bf16, assert_errors,
                       assert_one_line, max_rel_error, value_error_messages, world)
@@ -174,7 +174,7 @@ def test_parallel_linear_takes_transposed_views_of_batch_first_tensors(pools, tp
 @pytest.mark.parametrize("tp", [2, 4])
 def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind, backend):
     # On CUDA the overlapped sum runs bf16 GEMMs with fp32 output, on CPU upcast fp32 GEMMs
-    # (parallel_linear.weight_grad_path): both must match the basic layer's accuracy.
+    # (support.gemm.WeightGradAccumulator): both must match the basic layer's accuracy.
     for rank, errors in enumerate(pools(tp, backend).run(_on_rank_bf16_weight_grad_error, kind)):
         basic, overlapped = errors[False], errors[True]
         # Both round one fp32 sum to bf16 once; the sums differ only in fp32 round-off.
@@ -223,7 +223,7 @@ def _on_rank_standalone_init(seed):
     be the weight the unsplit PyTorch layer draws after that seed, and the generator must stay
     in step across ranks."""
     from tensor_parallel_toy import VocabParallelEmbedding
-    from tensor_parallel_toy.sharding import unshard
+    from tensor_parallel_toy.support.sharding import unshard
 
     group, _, _ = world()
     cases = {"column": (lambda: ColumnParallelLinear(24, 36, tp_group=group),
@@ -259,7 +259,7 @@ def _on_rank_check_shaped_column(out_shape, split_dim, shared_tail, dtype_name, 
     (`SplitView.rows`). Rows that several ranks hold (shared k/v) stand for one output used by
     all of them: each rank gets a different share of that output's gradient, the shares
     summing to it, and each must end with the full weight gradient of those rows."""
-    from tensor_parallel_toy.sharding import tensor_parallel_view
+    from tensor_parallel_toy.support.sharding import tensor_parallel_view
 
     group, p, r = world()
     dtype, dev = DTYPES[dtype_name], current_device()

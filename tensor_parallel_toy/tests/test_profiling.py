@@ -429,7 +429,7 @@ def _on_rank_calibrate():
     """The overlap benchmark's calibration (skipped by the smoke test's --bench-shape)."""
     import torch.distributed as dist
 
-    from tensor_parallel_toy.initialize import current_device
+    from tensor_parallel_toy.launcher.initialize import current_device
     from tensor_parallel_toy.profiling.bench_overlap import choose_ffn
     return choose_ffn(16, 2, 32, dist.group.WORLD, current_device(), torch.float32)
 

@@ -40,7 +40,7 @@ def _tiny_qwen3():
 
 def _error_of(fn):
     """The guard's message from running `fn`, or None; then a barrier (no rank left behind)."""
-    from tensor_parallel_toy.replicated_grads import ReplicatedGradientsDisagreeError
+    from tensor_parallel_toy.guards.replicated_grads import ReplicatedGradientsDisagreeError
 
     try:
         fn()
@@ -52,7 +52,7 @@ def _error_of(fn):
 
 
 def _hf_step(model, seed=3):
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (2, 12), generator=gen)
@@ -66,9 +66,9 @@ def _on_rank_broken():
     from torch.distributed.tensor.parallel import parallelize_module
 
     from tensor_parallel_toy import model as model_module
-    from tensor_parallel_toy import dtensor_tp
+    from tensor_parallel_toy.interop import dtensor_tp
     from tensor_parallel_toy.model import Transformer
-    from tensor_parallel_toy.replicated_grads import watch_replicated_gradients
+    from tensor_parallel_toy.guards.replicated_grads import watch_replicated_gradients
 
     group = dist.group.WORLD
     qwen = _tiny_qwen3()
@@ -110,11 +110,11 @@ def _on_rank_correct():
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    from tensor_parallel_toy import dtensor_tp
-    from tensor_parallel_toy.classic_tp import apply_tensor_parallel, sync_replicated_gradients
+    from tensor_parallel_toy.interop import dtensor_tp
+    from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
     from tensor_parallel_toy.examples.own_model_tp import MyModel
     from tensor_parallel_toy.model import Transformer
-    from tensor_parallel_toy.replicated_grads import check_replicated_gradients
+    from tensor_parallel_toy.guards.replicated_grads import check_replicated_gradients
 
     group = dist.group.WORLD
     compared = {}
@@ -163,8 +163,8 @@ def _on_rank_different_options():
     guard on one rank only would leave it alone in the check's collective)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from tensor_parallel_toy import dtensor_tp
-    from tensor_parallel_toy.classic_tp import apply_tensor_parallel
+    from tensor_parallel_toy.interop import dtensor_tp
+    from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel
     from tensor_parallel_toy.model import Transformer
 
     class _FeedForward(torch.nn.Module):
@@ -200,7 +200,7 @@ def _on_rank_non_finite():
     disagreement (a loss scaler skips such a step); on one rank only it is, named as such."""
     import torch.nn as nn
 
-    from tensor_parallel_toy.replicated_grads import check_replicated_gradients
+    from tensor_parallel_toy.guards.replicated_grads import check_replicated_gradients
 
     group, rank = dist.group.WORLD, dist.get_rank()
     norm = nn.LayerNorm(4)
@@ -225,9 +225,9 @@ def _on_rank_fsdp():
     """Our model under FSDP2 over a 2 x 2 grid, the check called after backward, with and
     without the norms' `f`: (parameters compared or None, the message or None)."""
     from tensor_parallel_toy import model as model_module
-    from tensor_parallel_toy.data_parallel import apply_fsdp, data_parallel_loss, split_batch
+    from tensor_parallel_toy.interop.data_parallel import apply_fsdp, data_parallel_loss, split_batch
     from tensor_parallel_toy.model import Transformer
-    from tensor_parallel_toy.replicated_grads import (ReplicatedGradientsDisagreeError,
+    from tensor_parallel_toy.guards.replicated_grads import (ReplicatedGradientsDisagreeError,
                                                       check_replicated_gradients)
 
     mesh = mesh_2x2()

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
-from tensor_parallel_toy.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tensor_parallel_toy import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 from .helpers import (FP32_TOL, assert_errors, assert_matches_baseline, assert_one_line,
                       compare_on_world, max_rel_error, value_error_messages, world)

@@ -6,9 +6,35 @@ Or the batch itself is malformed (wrong shape, too long, a token id or label out
 vocabulary, a loss option F.cross_entropy would refuse): refused here. Every rank holds the
 same batch once the first check has passed, so every rank raises the same one-line error.
 """
+from ..config import check_seq_len
 from .agreement import agree_on_batch
-from .config import check_seq_len
-from .vocab_parallel import check_loss_options, check_token_ids
+
+
+def check_token_ids(ids, vocab_size, what, ignore_index=None, check_ids=None):
+    """Raise one line naming the first id outside 0..vocab_size-1 (ignore_index aside).
+
+    The ids are the same on every rank, so every rank raises here, before any collective.
+    `check_ids`: None (the default): only when `ids` is on the CPU, where it costs nothing; a
+    GPU tensor is left alone, since reading it makes the host wait for the device every step.
+    True: either (one device-to-host copy per checked tensor on a GPU). False: never.
+    """
+    if check_ids is False or (check_ids is None and ids.device.type != "cpu"):
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if bad.any():
+        value = ids[bad][0].item()
+        extra = "" if ignore_index is None else f" or ignore_index={ignore_index}"
+        raise ValueError(f"{what} {value} is out of range: valid are 0..{vocab_size - 1}{extra}")
+
+
+def check_loss_options(label_smoothing, reduction):
+    """What F.cross_entropy would refuse of its options, refused here with one line."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}: valid are 'mean', 'sum', 'none'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0")
 
 
 def check_batch(model, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,

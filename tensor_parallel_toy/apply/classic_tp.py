@@ -26,12 +26,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .agreement import check_ranks_agree
-from .comm import (average_over_group_, copy_to_tensor_parallel_region, group_rank, group_size,
+from ..guards.agreement import check_ranks_agree
+from ..comm import (all_reduce_, copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region)
-from .config import check_divisible
-from .replicated_grads import check_every_option, watch_replicated_gradients
-from .sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
+from ..config import check_divisible
+from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
+from ..support.sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
 
 # The class attributes a block declares its layers with; the underscored names are the ones
 # this package first published, still accepted.
@@ -212,6 +212,25 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
 
 
 @torch.no_grad()
+def average_over_group_(tensors, group):
+    """Replace each tensor by its mean over the group, in place, with one all-reduce.
+
+    The tensors are flattened into one buffer first: one collective of N elements costs far
+    less than N/n collectives of n (each has a fixed latency). They must share a dtype.
+    """
+    tensors = list(tensors)
+    p = group_size(group)
+    if p == 1 or not tensors:
+        return tensors
+    flat = all_reduce_(torch.cat([t.reshape(-1) for t in tensors]), group)
+    flat /= p
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return tensors
+
+
 def sync_replicated_gradients(model, tp_group):
     """Average, over the TP group, the gradient of every parameter that is not sharded.
 

@@ -41,10 +41,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
-from .agreement import check_ranks_agree, module_fingerprint
-from .comm import all_reduce_
-from .config import check_divisible, pad_sequence
-from .replicated_grads import check_every_option, watch_replicated_gradients
+from ..guards.agreement import check_ranks_agree, module_fingerprint
+from ..comm import all_reduce_
+from ..config import check_divisible, pad_sequence
+from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
 
 
 def transformer_plan(config):

@@ -38,7 +38,7 @@ checkpoint yourself (`AutoModelForCausalLM.from_pretrained(path)`) and pass the 
 """
 import torch
 
-from .config import ModelConfig, RopeScaling
+from ..config import ModelConfig, RopeScaling
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .comm import all_gather_dim, all_reduce_, group_rank, group_size
+from ..comm import all_gather_dim, all_reduce_, group_rank, group_size
 
 DEFAULT_INIT_STD = 0.02
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import barrier, group_device
+from ..comm import group_device
+from ..guards.collectives import barrier
 
 DEFAULT_TIMEOUT_S = 60.0
 

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from .comm import all_reduce_, group_rank, group_size
+from ..comm import all_reduce_, group_rank, group_size
 
 
 def init_mesh_2d(dp_size, tp_size, device_type="cpu"):

@@ -1,0 +1,70 @@
+"""Watch every transfer a piece of code makes, from outside the library.
+
+`recording(recorder)` wraps torch.distributed's entry points that the package's collectives and
+ring call (comm.py, guards/collectives.py) for as long as it is active, and hands each call to
+`recorder.transfer(kind, nbytes, post)`:
+- `kind`: "all-gather", "reduce-scatter", "all-reduce", "broadcast", or "ring" (one P2P step
+  of ring.py: a send and a receive posted together);
+- `nbytes`: the bytes this rank puts in (an all-gather's shard, a reduce-scatter's whole
+  input, a ring step's send buffer);
+- `post()`: makes the call and returns its handle (anything with `wait()`), or None when the
+  call blocked until it was done.
+The recorder returns what `post()` gave, or a handle with the same `wait()` (the timeline's
+times the wait). The library is not changed or told: the code measured is the code that runs.
+Only one recording at a time.
+"""
+import contextlib
+
+import torch.distributed as dist
+
+# entry point -> (kind, where the tensor whose bytes count is among the positional arguments)
+_WATCHED = {"all_gather_single": ("all-gather", 1), "reduce_scatter_single": ("reduce-scatter", 1),
+            "all_gather": ("all-gather", 1), "all_reduce": ("all-reduce", 0),
+            "broadcast": ("broadcast", 0)}
+
+
+class _AllOf:
+    """The works of one batch_isend_irecv as one handle."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _watched_collective(fn, kind, where, recorder):
+    def call(*args, **kwargs):
+        return recorder.transfer(kind, _nbytes(args[where]), lambda: fn(*args, **kwargs))
+    call.recording = True
+    return call
+
+
+def _watched_ring_step(fn, recorder):
+    def call(ops):
+        sent = sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
+        handle = recorder.transfer("ring", sent, lambda: _AllOf(fn(ops)))
+        return [handle]
+    call.recording = True
+    return call
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Report every transfer made inside the block to `recorder` (see the module docstring)."""
+    if getattr(dist.all_reduce, "recording", False):
+        raise RuntimeError("a recording of the transfers is already active")
+    originals = {name: getattr(dist, name) for name in (*_WATCHED, "batch_isend_irecv")}
+    try:
+        for name, (kind, where) in _WATCHED.items():
+            setattr(dist, name, _watched_collective(originals[name], kind, where, recorder))
+        dist.batch_isend_irecv = _watched_ring_step(originals["batch_isend_irecv"], recorder)
+        yield recorder
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
