@@ -21,6 +21,9 @@ What this file exports are the checked versions: `ColumnParallelLinear`, `RowPar
 `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` as in the reading path, with the
 guards attached (guards/checked.py); `Transformer` carries them itself (one line in model.py).
 """
+import importlib
+import sys
+
 from .apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from .config import ModelConfig, RopeScaling
 from .guards.checked import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -31,6 +34,15 @@ from .launcher.initialize import WorkerPool, init_from_env, launch, shutdown
 from .model import Transformer
 from .parallel_linear import column_parallel_linear, row_parallel_linear
 from .support.sharding import grad_norm
+
+# The modules' homes before the guards, interop and launcher moved beside the reading path:
+# `import tensor_parallel_toy.initialize` and the like keep working in scripts written then.
+for _old, _new in {"agreement": "guards.agreement", "batch": "guards.batch",
+                   "replicated_grads": "guards.replicated_grads", "classic_tp": "apply.classic_tp",
+                   "data_parallel": "interop.data_parallel", "dtensor_tp": "interop.dtensor_tp",
+                   "hf_checkpoint": "interop.hf_checkpoint", "initialize": "launcher.initialize",
+                   "gpu_check": "launcher.gpu_check", "sharding": "support.sharding"}.items():
+    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"{__name__}.{_new}")
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RopeScaling", "RowParallelLinear",
            "Transformer", "VocabParallelEmbedding", "WorkerPool", "apply_tensor_parallel",

@@ -132,39 +132,42 @@ def gather_from_tensor_parallel_region(x, group):
     return _GatherFromTensorParallelRegion.apply(x, group)
 
 
-class _CopySharedRows(torch.autograd.Function):
-    """`f` for rows that only some ranks share: forward identity; backward all-reduce (sum) of
-    those rows' gradient over the ranks that hold them.
+class _CopyToRowHolders(torch.autograd.Function):
+    """`f` for a weight some of whose rows several ranks hold: forward identity; backward each
+    such row's gradient summed over the ranks that hold it. The rule the norms follow (a weight
+    several ranks use, each for its own part of the work, enters through `f` over them),
+    applied row by row: attention's k and v rows, when fewer k/v heads than ranks make the
+    ranks of one head share them (model.qkv_rows).
 
-    x `[n, ...]`: this rank's rows of a split weight, of which rows `first_shared:` are also
-    held by the other ranks of its slot, one of `num_slots` groups of p / num_slots ranks
-    (attention's k/v rows, when p / nkv ranks share each k/v head). Each of them uses its copy
-    for its own query heads only, so each has a partial gradient of it; the copy's true
-    gradient is the sum over the slot. Rather than one process group per slot, one all-reduce
-    over the whole group of a zero-padded `[num_slots, n - first_shared, ...]` buffer, in which
-    each rank fills its own slot: slot j of the sum is the sum over the ranks of slot j.
-    The rows before `first_shared` are this rank's alone, and their gradient is left as it is.
+    x `[n, ...]`: this rank's rows; `local` are the ones other ranks hold too, found at `slot`
+    in the list of all `num_shared` such rows of the full weight. Rather than a process group
+    per set of holders, one all-reduce over the whole group of a zero `[num_shared, ...]`
+    buffer in which each rank writes the rows it holds: entry j of the sum is the sum over the
+    ranks holding row j, the others adding zeros.
     """
 
     @staticmethod
-    def forward(ctx, x, first_shared, slot, num_slots, group):
-        ctx.first_shared, ctx.slot, ctx.num_slots, ctx.group = first_shared, slot, num_slots, group
+    def forward(ctx, x, local, slot, num_shared, group):
+        ctx.local, ctx.slot, ctx.num_shared, ctx.group = local, slot, num_shared, group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        own, shared = grad[:ctx.first_shared], grad[ctx.first_shared:]
-        slots = grad.new_zeros((ctx.num_slots, *shared.shape))
-        slots[ctx.slot] = shared
-        all_reduce_(slots, ctx.group)
-        return torch.cat([own, slots[ctx.slot]]), None, None, None, None
+        local, slot = ctx.local.to(grad.device), ctx.slot.to(grad.device)
+        summed = grad.new_zeros((ctx.num_shared, *grad.shape[1:]))
+        summed[slot] = grad[local]
+        all_reduce_(summed, ctx.group)
+        grad = grad.clone()
+        grad[local] = summed[slot]
+        return grad, None, None, None, None
 
 
-def copy_shared_rows(x, first_shared, slot, num_slots, group):
-    """`f` over the rows `first_shared:` of x, among the ranks of `slot` (see _CopySharedRows)."""
-    if group_size(group) == 1 or first_shared is None:
+def copy_to_row_holders(x, shared, group):
+    """`f` over the ranks holding each of x's shared rows; `shared` = (local, slot, num_shared)
+    as `RowSplit.shared` gives it, or None (see _CopyToRowHolders)."""
+    if group_size(group) == 1 or shared is None:
         return x
-    return _CopySharedRows.apply(x, first_shared, slot, num_slots, group)
+    return _CopyToRowHolders.apply(x, *shared, group)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from .config import ModelConfig, pad_sequence, padded_seq_len
 from .guards.checked import with_guards  # the checks, attached from outside: see Transformer
 from .parallel_linear import column_parallel_or_plain, row_parallel_or_plain
 from .rotary import apply_rotary, rotary_tables
-from .support.sharding import (draw_full_weights_, full_shape, gather_data_parallel,
-                               mark_init_std, named_layouts, record_layouts,
-                               scatter_data_parallel, shard, unshard)
+from .support.sharding import (RowSplit, draw_full_weights_, full_shape,
+                               gather_data_parallel, mark_init_std, named_layouts,
+                               record_layouts, scatter_data_parallel, shard, unshard)
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -66,6 +66,23 @@ class RMSNorm(nn.Module):
         return (x.float() * rms).type_as(x) * weight
 
 
+def qkv_rows(num_kv_heads, q_per_kv, head_dim, p):
+    """The rows of the full qkv weight `[nkv, (q_per_kv q heads, k, v), hd]` each rank holds.
+
+    nkv >= p: rank r holds k/v heads r*nkv/p:(r+1)*nkv/p whole, each with its query heads.
+    nkv < p: the p/nkv ranks of one k/v head split its query heads, and each holds a copy of
+    its k and v rows: a weight several ranks use, each for its own query heads, so the copies'
+    gradients are partial and ColumnParallelLinear sums them over those ranks (`f`)."""
+    full = torch.arange(num_kv_heads * (q_per_kv + 2) * head_dim).view(num_kv_heads, -1,
+                                                                        head_dim)
+    if num_kv_heads >= p:
+        return RowSplit(torch.stack([c.flatten() for c in full.chunk(p)]))
+    sharing = p // num_kv_heads  # ranks per k/v head
+    return RowSplit(torch.stack([
+        torch.cat([full[r // sharing, :q_per_kv].chunk(sharing)[r % sharing].flatten(),
+                   full[r // sharing, q_per_kv:].flatten()]) for r in range(p)]))
+
+
 class Attention(nn.Module):
     """Causal attention, multi-head or grouped-query; under TP each rank owns num_heads/p whole
     query heads and the k/v heads they read.
@@ -78,8 +95,7 @@ class Attention(nn.Module):
       with exactly the query heads that read them.
     - num_kv_heads < p: the p/nkv ranks of one k/v head split its n query heads and each holds
       a copy of its k and v rows. Each copy's gradient covers only its rank's query heads, so
-      those rows are summed over the ranks that share them in backward (`comm.copy_shared_rows`,
-      inside `ColumnParallelLinear`) and counted once by the gradient norm.
+      those rows enter the GEMM through `f` over the ranks that share them (`qkv_rows`).
     Either way one all-gather of the input and one GEMM give this rank's q, k and v.
 
     head_dim need not be hidden_size / num_heads: the heads' features (nh * hd of them) are
@@ -97,8 +113,9 @@ class Attention(nn.Module):
         # This rank's query heads per k/v head it holds: all of them, or its share of them.
         self.q_per_kv = q_per_kv // max(p // nkv, 1)
         # Bias rows are laid out like the weight's, so they are split (and shared) the same way.
-        self.qkv = column_parallel_or_plain(h, (nkv, q_per_kv + 2, hd), tp_group, overlap,
-                                            config.qkv_bias, split_dim=0, shared_tail=2)
+        rows = None if tp_group is None else qkv_rows(nkv, q_per_kv, hd, p)
+        self.qkv = column_parallel_or_plain(h, nkv * (q_per_kv + 2) * hd, tp_group, overlap,
+                                            config.qkv_bias, rows=rows)
         self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
         mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
         # Replicated [hd] weights inside the TP region (each rank normalises only its own

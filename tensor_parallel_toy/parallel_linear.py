@@ -30,12 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_gather_seq, all_reduce_, copy_shared_rows, group_rank, group_size,
+from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders, group_rank, group_size,
                    reduce_scatter_seq)
 from .config import check_divisible
 from .ring import Ring, ring_all_gather, ring_reduce_scatter
 from .support.gemm import WeightGradAccumulator, bias_grad, flat, linear_into
-from .support.sharding import SplitView, init_from_full_, mark_tensor_parallel
+from .support.sharding import init_from_full_, mark_tensor_parallel, split_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,12 +218,11 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
 class _ParallelLinear(nn.Module):
     def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None, init_weights=True, view=None):
+                 device=None, dtype=None, init_weights=True, rows=None):
         super().__init__()
         p = group_size(tp_group)
-        if view is not None:
-            view.check(p)
-            out_rows = math.prod(view.local_shape(p))  # this rank's rows, the view's order
+        if rows is not None:  # this rank's rows, in its order
+            out_rows = rows.rows.shape[1]
         else:
             check_divisible("out_features" if split_dim == 0 else "in_features",
                             (out_features, in_features)[split_dim], p)
@@ -232,12 +231,12 @@ class _ParallelLinear(nn.Module):
         self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
         shape = [out_rows, in_features // p if split_dim == 1 else in_features]
         self.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim, view)
+            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim, rows)
         self.bias = None
         if bias:  # a column layer's bias is split with its rows; a row layer's is replicated
             self.bias = mark_tensor_parallel(
                 nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype)),
-                0 if split_dim == 0 else None, view)
+                0 if split_dim == 0 else None, rows)
         if init_weights:  # nn.Linear's init of the *full* weight; this rank keeps its slice
             bound = 1 / math.sqrt(in_features)
             init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
@@ -257,38 +256,36 @@ class ColumnParallelLinear(_ParallelLinear):
     weight is then `[prod(shape), in]`, its rows that shape flattened, and `split_dim` says
     which dim of the shape is split over the ranks. SwiGLU's gate and up are `(2, f)` split
     along 1: rank r holds its f/p gate rows, then its f/p up rows, `[2f/p, in]`; a fused q|k|v
-    `(3, heads, hd)` split along 1 gives each rank its q, k and v of its heads. Either way the
-    shard is one `[rows, in]` weight: one GEMM, whose output `[s, b, rows]` the caller
-    unflattens into its part of the shape. Attention's `shared_tail` (rows several ranks hold,
-    when there are fewer k/v heads than ranks) is explained there, in model.py.
+    `(3, heads, hd)` split along 1 gives each rank its q, k and v of its heads. Or `rows` (a
+    `RowSplit`) says which of the out_features rows each rank holds, any of them on several
+    ranks: those enter the GEMM through `f` over the ranks holding them
+    (`comm.copy_to_row_holders`), as attention's shared k/v rows do (model.qkv_rows). Either
+    way the shard is one `[rows, in]` weight: one GEMM, whose output `[s, b, rows]` the
+    caller unflattens into its part of the shape.
 
     `init_weights`: draw the full weight as nn.Linear does and keep this rank's slice (a model
     that draws all its weights at once, as `Transformer` does, passes False).
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 split_dim=0, shared_tail=0, device=None, dtype=None, init_weights=True):
+                 split_dim=0, rows=None, device=None, dtype=None, init_weights=True):
         shaped = not isinstance(out_features, int)
-        if not shaped and (split_dim, shared_tail) != (0, 0):
-            raise ValueError(f"split_dim={split_dim}, shared_tail={shared_tail} with "
-                             f"out_features={out_features}: they describe an output shape; "
-                             f"give out_features as a tuple, or leave them at 0")
-        view = SplitView(tuple(out_features), split_dim, shared_tail) if shaped else None
+        if not shaped and split_dim != 0:
+            raise ValueError(f"split_dim={split_dim} with out_features={out_features}: it "
+                             f"describes an output shape; give out_features as a tuple, or "
+                             f"leave it at 0")
+        if shaped:
+            rows = split_rows(out_features, split_dim, group_size(tp_group))
         super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
-                         init_weights, view)
-        p = self.tp_size
-        # Rows shared with other ranks (a k/v head's): from which row on, the slot of the
-        # ranks that share them, and how many such slots there are.
-        first = view.first_shared_row(p) if shaped else None
-        self.shared = None if first is None else \
-            (first, group_rank(tp_group) // view.ranks_per_slice(p), view.shape[0])
+                         init_weights, rows)
+        self.shared = None if rows is None else rows.shared(group_rank(tp_group))
 
     def forward(self, x):
         weight, bias = self.weight, self.bias
-        if self.shared is not None:  # `f` over the ranks that share these rows
-            weight = copy_shared_rows(weight, *self.shared, self.tp_group)
+        if self.shared is not None:  # rows other ranks hold too: `f` over their holders
+            weight = copy_to_row_holders(weight, self.shared, self.tp_group)
             if bias is not None:
-                bias = copy_shared_rows(bias, *self.shared, self.tp_group)
+                bias = copy_to_row_holders(bias, self.shared, self.tp_group)
         return column_parallel_linear(x, weight, bias, self.tp_group, self.overlap)
 
 
@@ -310,7 +307,7 @@ class RowParallelLinear(_ParallelLinear):
 
 
 def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
-                             bias=False, split_dim=0, shared_tail=0):
+                             bias=False, split_dim=0, rows=None):
     """`nn.Linear` for the non-TP baseline (tp_group=None; a shaped `out_features` flattened),
     else a ColumnParallelLinear whose weights the model draws (`init_weights=False`). Either
     way the output is `[..., rows]` with the rows in the same order."""
@@ -318,7 +315,7 @@ def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=F
         rows = out_features if isinstance(out_features, int) else math.prod(out_features)
         return nn.Linear(in_features, rows, bias=bias)
     return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                overlap=overlap, split_dim=split_dim, shared_tail=shared_tail,
+                                overlap=overlap, split_dim=split_dim, rows=rows,
                                 init_weights=False)
 
 

@@ -17,10 +17,11 @@ the idea and no checks. What makes a distributed run trustworthy is attached her
 """
 import dataclasses
 import inspect
+import zlib
 
 from .. import parallel_linear, vocab_parallel
 from ..comm import group_size
-from ..support.sharding import tensor_parallel_view
+from ..support.sharding import tensor_parallel_rows
 from .agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
 from .batch import check_batch, check_loss_options, check_token_ids
 from .replicated_grads import check_every_option, watch_replicated_gradients
@@ -40,10 +41,10 @@ class ColumnParallelLinear(parallel_linear.ColumnParallelLinear):
 
     def __init__(self, in_features, out_features, **kwargs):
         super().__init__(in_features, out_features, **kwargs)
-        view = tensor_parallel_view(self.weight)
+        split = tensor_parallel_rows(self.weight)  # ranks may hold the same shape's other rows
         _agree_on_layer(self, in_features=in_features, out_features=out_features,
                         overlap=self.overlap,
-                        split=None if view is None else (view.split_dim, view.shared_tail))
+                        split=None if split is None else zlib.crc32(split.rows.numpy().tobytes()))
 
 
 class RowParallelLinear(parallel_linear.RowParallelLinear):

@@ -11,12 +11,12 @@ tensor_parallel_dim
     set by:  mark_tensor_parallel (column, row, vocabulary and classic TP layers)
     read by: full_shape, shard, unshard (checkpoints, full state dicts and gradients),
              grad_norm, and classic_tp's sync_replicated_gradients
-tensor_parallel_view
-    a `SplitView`: dim 0 flattens an output shape (gate and up `(2, f)`; q, k, v
-    `(kv heads, q heads per kv head + 2, head_dim)`) that is split along one of its own dims,
-    so a rank's rows are not one contiguous block of the full tensor's; some rows may be held
-    by several ranks (k/v heads shared when there are fewer of them than ranks)
-    set by:  mark_tensor_parallel (ColumnParallelLinear given an output shape)
+tensor_parallel_rows
+    a `RowSplit`: which rows of the full tensor each rank holds, when they are not one
+    contiguous block per rank: the rows of an output shape split along one of its own dims
+    (gate and up `(2, f)` split along f: `split_rows`), or attention's q, k, v when there are
+    fewer k/v heads than ranks (some rows then held by several ranks: model.qkv_rows)
+    set by:  mark_tensor_parallel (ColumnParallelLinear given a shape or rows)
     read by: the same as tensor_parallel_dim, which is then 0
 init_std
     std of the model's normal init; None: keep the values built (a norm's ones)
@@ -43,82 +43,60 @@ DEFAULT_INIT_STD = 0.02
 # ----------------------------------------------------------------------------------------------
 # Marking
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SplitView:
-    """Which rows of a full tensor each TP rank holds, when its dim 0 flattens `shape`.
+@dataclass(frozen=True, eq=False)
+class RowSplit:
+    """Which rows (dim 0) of a full tensor each TP rank holds: `rows[r]`, rank r's rows in the
+    order it keeps them (an int64 tensor `[p, n]`: the same number on every rank).
 
-    `shape` is split along `split_dim` into p equal slices, slice r on rank r. When
-    `shape[split_dim]` is smaller than p (it must then divide p), p / shape[split_dim] ranks
-    share each slice (split_dim 0 only): they split the slice's next dim, except its last
-    `shared_tail` entries, which each of them holds whole. Attention's q, k, v rows
-    `(nkv, g + 2, hd)` with shared_tail=2: ranks sharing a k/v head each take their own query
-    heads of its g, and all of them its k and v.
+    A row may be held by several ranks. Their copies are equal, and a layer that uses such a
+    weight sends it through `f` over the ranks holding each row (comm.copy_to_row_holders), so
+    its gradient is the sum of their partial ones; the checkpoint and the gradient norm count
+    each row once, from the first rank holding it.
     """
-    shape: tuple
-    split_dim: int
-    shared_tail: int = 0
+    rows: torch.Tensor
 
-    def ranks_per_slice(self, p):
-        """How many ranks hold each slice of the split dim (1: none is shared)."""
-        n = self.shape[self.split_dim]
-        return 1 if n % p == 0 else p // n
+    @property
+    def full_rows(self):
+        return int(self.rows.max()) + 1
 
-    def check(self, p, name="out_features"):
-        """One ValueError naming the shape and p unless p ranks can split it this way."""
-        n, d = self.shape[self.split_dim], self.split_dim
-        if n % p == 0:
-            return
-        s = p // n if p % n == 0 else 0
-        if s and d == 0 and len(self.shape) > 1 and self.shared_tail and \
-                (self.shape[1] - self.shared_tail) % s == 0:
-            return
-        raise ValueError(f"{name}={tuple(self.shape)} split along dim {d} over the "
-                         f"tensor-parallel size {p}: {n} must be a multiple of {p}, or (dim 0, "
-                         f"shared_tail > 0) divide {p} into groups of ranks that split the rest "
-                         f"of dim 1 evenly")
+    def first_holder(self):
+        """The lowest rank holding each full row, `[full_rows]`."""
+        ranks = torch.arange(len(self.rows)).unsqueeze(1).expand_as(self.rows)
+        first = torch.full((self.full_rows,), len(self.rows))
+        return first.scatter_reduce(0, self.rows.flatten(), ranks.flatten(), "amin")
 
-    def local_shape(self, p):
-        """This rank's part of `shape` (the same on every rank)."""
-        shape, s = list(self.shape), self.ranks_per_slice(p)
-        shape[self.split_dim] = max(shape[self.split_dim] // p, 1)
-        if s > 1:
-            shape[1] = (shape[1] - self.shared_tail) // s + self.shared_tail
-        return shape
+    def counted(self, rank):
+        """A bool per row of `rank`: True where it is the first rank holding that row."""
+        return self.first_holder()[self.rows[rank]] == rank
 
-    def rows(self, rank, p):
-        """The full tensor's dim-0 indices that `rank` holds, in its order (a LongTensor)."""
-        ids = torch.arange(math.prod(self.shape)).view(self.shape)
-        s = self.ranks_per_slice(p)
-        if s == 1:
-            return ids.chunk(p, dim=self.split_dim)[rank].flatten()
-        mine = ids[rank // s]  # [shape[1], ...]: the slice of dim 0 these s ranks share
-        own = mine.shape[0] - self.shared_tail
-        return torch.cat([mine[:own].chunk(s)[rank % s], mine[own:]]).flatten()
-
-    def first_shared_row(self, p):
-        """The local row from which on every row is also held by the other ranks of its slice
-        (the shared tail), or None when no row is shared."""
-        if self.ranks_per_slice(p) == 1:
+    def shared(self, rank):
+        """(local, slot, n): this rank's rows that other ranks hold too (local indices), their
+        positions among all n such rows of the full tensor; None when no row is shared."""
+        every = torch.nonzero(torch.bincount(self.rows.flatten()) > 1).flatten()
+        if len(every) == 0:
             return None
-        local = self.local_shape(p)
-        return (local[1] - self.shared_tail) * math.prod(local[2:])
-
-    def counted(self, rank, p):
-        """A bool per local row: True unless another rank (the first of its slice) holds
-        the row too, so that a sum over ranks counts every row once."""
-        n = math.prod(self.local_shape(p))
-        counted = torch.ones(n, dtype=torch.bool)
-        if self.ranks_per_slice(p) > 1 and rank % self.ranks_per_slice(p):
-            counted[self.first_shared_row(p):] = False
-        return counted
+        local = torch.nonzero(torch.isin(self.rows[rank], every)).flatten()
+        return local, torch.searchsorted(every, self.rows[rank][local]), len(every)
 
 
-def mark_tensor_parallel(param, dim, view=None):
-    """`param` is split over the TP ranks along `dim` (None: replicated), its rows laid out as
-    `view` (a `SplitView`; with dim 0) when it is given. Returns `param`."""
+def split_rows(shape, split_dim, p, name="out_features"):
+    """The `RowSplit` of a tensor whose dim 0 flattens `shape`, split along `split_dim` of it
+    into p equal slices, slice r on rank r (gate and up `(2, f)` along f). One ValueError
+    naming the shape and p unless p divides that dim."""
+    if shape[split_dim] % p:
+        raise ValueError(f"{name}={tuple(shape)} split along dim {split_dim} over the "
+                         f"tensor-parallel size {p}: {shape[split_dim]} must be a multiple of "
+                         f"{p}")
+    ids = torch.arange(math.prod(shape)).view(shape)
+    return RowSplit(torch.stack([c.flatten() for c in ids.chunk(p, dim=split_dim)]))
+
+
+def mark_tensor_parallel(param, dim, rows=None):
+    """`param` is split over the TP ranks along `dim` (None: replicated), each rank holding
+    the rows `rows` says (a `RowSplit`; with dim 0) when it is given. Returns `param`."""
     param.tensor_parallel_dim = dim
-    if view is not None:
-        param.tensor_parallel_view = view
+    if rows is not None:
+        param.tensor_parallel_rows = rows
     return param
 
 
@@ -134,9 +112,9 @@ def tensor_parallel_dim(param):
     return getattr(param, "tensor_parallel_dim", None)
 
 
-def tensor_parallel_view(param):
-    """The `SplitView` of `param` (a parameter or its `Layout`), or None: a plain split."""
-    return getattr(param, "tensor_parallel_view", None)
+def tensor_parallel_rows(param):
+    """The `RowSplit` of `param` (a parameter or its `Layout`), or None: a plain split."""
+    return getattr(param, "tensor_parallel_rows", None)
 
 
 def init_std(param):
@@ -151,12 +129,12 @@ class Layout:
     """One parameter's marks (see the table at the top)."""
     tensor_parallel_dim: int | None = None
     init_std: float | None = DEFAULT_INIT_STD
-    tensor_parallel_view: SplitView | None = None
+    tensor_parallel_rows: RowSplit | None = None
 
 
 def layout_of(param):
     """The `Layout` read from the marks on `param` itself."""
-    return Layout(tensor_parallel_dim(param), init_std(param), tensor_parallel_view(param))
+    return Layout(tensor_parallel_dim(param), init_std(param), tensor_parallel_rows(param))
 
 
 def record_layouts(model):
@@ -210,9 +188,9 @@ def full_shape(param, tp_size, layout=None):
     """The shape of the whole parameter, of which `param` is this rank's shard (`layout`: its
     recorded Layout; by default the marks on `param`)."""
     shape = list(param.shape)
-    dim, view = tensor_parallel_dim(layout or param), tensor_parallel_view(layout or param)
-    if view is not None:
-        shape[0] = math.prod(view.shape)
+    dim, split = tensor_parallel_dim(layout or param), tensor_parallel_rows(layout or param)
+    if split is not None:
+        shape[0] = split.full_rows
     elif dim is not None:
         shape[dim] *= tp_size
     return shape
@@ -221,27 +199,27 @@ def full_shape(param, tp_size, layout=None):
 def shard(full, param, group, layout=None):
     """This rank's slice of the full tensor `full`, in `param`'s layout (or `layout`)."""
     dim, p = tensor_parallel_dim(layout or param), group_size(group)
-    view = tensor_parallel_view(layout or param)
+    split = tensor_parallel_rows(layout or param)
     if dim is None or p == 1:
         return full
-    if view is not None:
-        return full[view.rows(group_rank(group), p).to(full.device)]
+    if split is not None:
+        return full[split.rows[group_rank(group)].to(full.device)]
     return full.chunk(p, dim=dim)[group_rank(group)]
 
 
 def unshard(local, param, group, layout=None):
     """The full tensor from every rank's `local` slice (a collective: every rank calls it)."""
     dim, p = tensor_parallel_dim(layout or param), group_size(group)
-    view = tensor_parallel_view(layout or param)
+    split = tensor_parallel_rows(layout or param)
     if dim is None or p == 1:
         return local
     gathered = all_gather_dim(local, dim, group)
-    if view is None:
+    if split is None:
         return gathered
-    # Every rank's rows put back in place; a shared row is taken from the first rank of its
-    # slice (the copies are equal), so each row is written once.
-    rows = torch.cat([view.rows(r, p) for r in range(p)])
-    counted = torch.cat([view.counted(r, p) for r in range(p)])
+    # Every rank's rows put back in place; a row several ranks hold is taken from the first
+    # of them (the copies are equal), so each row is written once.
+    rows = split.rows.flatten()
+    counted = torch.cat([split.counted(r) for r in range(p)])
     full = gathered.new_empty(full_shape(local, p, layout or param))
     full[rows[counted].to(full.device)] = gathered[counted.to(full.device)]
     return full
@@ -287,9 +265,9 @@ def grad_norm(model, tp_group=None):
     """Global L2 norm of all gradients, as if the model were not split.
 
     A sharded parameter (`tensor_parallel_dim` set) has a different slice of its gradient on
-    each rank: square-sum locally, then sum over the group; rows that several ranks hold (a
-    `SplitView`'s shared tail, whose gradients were summed over them in backward) count on the
-    first of them only. A replicated parameter has the same full gradient on every rank (its
+    each rank: square-sum locally, then sum over the group; rows that several ranks hold (see
+    `RowSplit`: their gradients were summed over them in backward) count on the first of them
+    only. A replicated parameter has the same full gradient on every rank (its
     sequence-parallel partial sums were added up in backward): count it once, not p times.
     Under `fully_shard` (root wrapped) every gradient is also split over the data-parallel
     ranks, a DTensor: its squares are summed over the DP group first. Call it before the
@@ -298,14 +276,14 @@ def grad_norm(model, tp_group=None):
     device = next(model.parameters()).device
     squares = torch.zeros(2, dtype=torch.float64, device=device)  # [TP-sharded, replicated]
     dp_group = None
-    p, rank = group_size(tp_group), group_rank(tp_group)
+    rank = group_rank(tp_group)
     for _, param, layout in named_layouts(model):
         grad = param.grad
         if grad is None:
             continue
-        view = tensor_parallel_view(layout)
-        shares = view is not None and view.ranks_per_slice(p) > 1
-        counted = view.counted(rank, p).to(device) if shares else None
+        split = tensor_parallel_rows(layout)
+        shares = split is not None and split.shared(rank) is not None
+        counted = split.counted(rank).to(device) if shares else None
         if isinstance(grad, DTensor):  # this DP rank's shard of it (and of its rows)
             if counted is not None:
                 counted = scatter_data_parallel(counted, grad).to_local()
@@ -320,7 +298,7 @@ def grad_norm(model, tp_group=None):
     return squares.sum().sqrt().item()
 
 
-__all__ = ["Layout", "SplitView", "full_shape", "gather_data_parallel", "grad_norm",
+__all__ = ["Layout", "RowSplit", "split_rows", "full_shape", "gather_data_parallel", "grad_norm",
            "init_from_full_", "init_std", "layout_of", "draw_full_weights_", "mark_init_std",
            "mark_tensor_parallel", "named_layouts", "record_layouts", "scatter_data_parallel",
-           "shard", "tensor_parallel_dim", "tensor_parallel_view", "unshard"]
+           "shard", "tensor_parallel_dim", "tensor_parallel_rows", "unshard"]

@@ -18,7 +18,7 @@ LLAMA = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,
                     rope_base=500000.0, norm_eps=1e-6)
 
 # (name, config changes, tp, overlap): k/v heads fused with q (multi-head), split (GQA, kv >= tp)
-# and shared (kv < tp: the shared k/v rows of weight and bias summed by copy_shared_rows).
+# and shared (kv < tp: the shared k/v rows of weight and bias summed by copy_to_row_holders).
 CASES = [
     ("mha", {}, 2, False),
     ("mha", {}, 4, True),

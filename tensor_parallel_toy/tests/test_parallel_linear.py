@@ -253,25 +253,35 @@ def test_standalone_layers_are_shards_of_one_layer_initialised_like_pytorch(pool
     assert_errors(pools(tp).run(_on_rank_standalone_init, 11), 1e-6, f"standalone init tp={tp}")
 
 
-def _on_rank_check_shaped_column(out_shape, split_dim, shared_tail, dtype_name, strided):
-    """A ColumnParallelLinear with an output shape, against F.linear with the full weight:
-    output, input gradient, weight and bias gradients, at this rank's rows of each
-    (`SplitView.rows`). Rows that several ranks hold (shared k/v) stand for one output used by
-    all of them: each rank gets a different share of that output's gradient, the shares
-    summing to it, and each must end with the full weight gradient of those rows."""
-    from tensor_parallel_toy.support.sharding import tensor_parallel_view
+def _on_rank_check_shaped_column(out_shape, split_dim, kv, dtype_name, strided):
+    """A ColumnParallelLinear with an output shape, or with attention's q/k/v rows
+    (`kv`: `model.qkv_rows`, out_shape = (kv heads, q heads per kv head + 2, head size)),
+    against F.linear with the full weight: output, input gradient, weight and bias gradients,
+    at this rank's rows of each (`RowSplit.rows`). Rows that several ranks hold (shared k/v)
+    stand for one output used by all of them: each rank gets a different share of that
+    output's gradient, the shares summing to it, and each must end with the full weight
+    gradient of those rows."""
+    from tensor_parallel_toy.model import qkv_rows
+    from tensor_parallel_toy.support.sharding import tensor_parallel_rows
 
     group, p, r = world()
     dtype, dev = DTYPES[dtype_name], current_device()
     x, w, b, dy = _linear_case(24, math.prod(out_shape), dtype, bias=True)[0]
-    layer = ColumnParallelLinear(24, out_shape, tp_group=group, bias=True, split_dim=split_dim,
-                                 shared_tail=shared_tail, device=dev, dtype=dtype)
-    view = tensor_parallel_view(layer.weight)
-    rows = view.rows(r, p)
+    if kv:
+        nkv, q_per_kv, hd = out_shape[0], out_shape[1] - 2, out_shape[2]
+        layer = ColumnParallelLinear(24, math.prod(out_shape), tp_group=group, bias=True,
+                                     rows=qkv_rows(nkv, q_per_kv, hd, p), device=dev,
+                                     dtype=dtype)
+    else:
+        layer = ColumnParallelLinear(24, out_shape, tp_group=group, bias=True,
+                                     split_dim=split_dim, device=dev, dtype=dtype)
+    every = tensor_parallel_rows(layer.weight).rows  # [p, rows]
+    rows = every[r]
     share = torch.ones(len(rows), dtype=dtype)  # this rank's share of each row's gradient
-    k = view.ranks_per_slice(p)
-    if k > 1:  # rank i of a slice: (i + 1) / (1 + 2 + ... + k) of the shared rows' gradient
-        share[view.first_shared_row(p):] = (r % k + 1) / (k * (k + 1) / 2)
+    for i, row in enumerate(rows.tolist()):  # holder j of c: (j + 1) / (1 + 2 + ... + c)
+        holders = torch.nonzero((every == row).any(dim=1)).flatten().tolist()
+        c = len(holders)
+        share[i] = (holders.index(r) + 1) / (c * (c + 1) / 2)
     with torch.no_grad():
         layer.weight.copy_(w[rows]), layer.bias.copy_(b[rows])
     y, dx = _forward_backward(layer, x.chunk(p)[r].to(dev),
@@ -295,10 +305,11 @@ def _on_rank_check_shaped_column(out_shape, split_dim, shared_tail, dtype_name, 
             for k, v in got.items()}
 
 
-# (output shape, split dim, shared tail): gate/up (2, f) split along f; q, k, v of 4 k/v heads
-# with 3 query heads each, split along the k/v heads; MQA's one k/v head with 4 query heads,
-# its k and v shared by every rank.
-SHAPED = {"gate-up": ((2, 12), 1, 0), "gqa": ((4, 5, 3), 0, 2), "mqa": ((1, 6, 3), 0, 2)}
+# (output shape, split dim, attention's q/k/v rows): gate/up (2, f) split along f; q, k, v of 4
+# k/v heads with 3 query heads each, split along the k/v heads; MQA's one k/v head with 4
+# query heads, its k and v shared by every rank.
+SHAPED = {"gate-up": ((2, 12), 1, False), "gqa": ((4, 5, 3), 0, True),
+          "mqa": ((1, 6, 3), 0, True)}
 
 
 @pytest.mark.parametrize("case", ["fp32-strided", "bf16"])
@@ -316,9 +327,8 @@ def test_column_layer_with_an_output_shape_matches_full_linear(pools, tp, layout
 
 def _on_rank_shapes_two_ranks_cannot_split():
     group, rank = dist.group.WORLD, dist.get_rank()
-    cases = {shape: (lambda shape=shape, tail=tail: ColumnParallelLinear(
-        8, shape, tp_group=group, shared_tail=tail))
-        for shape, tail in (((3, 4, 2), 2), ((1, 5, 2), 2), ((1, 4, 2), 0))}
+    cases = {shape: (lambda shape=shape: ColumnParallelLinear(8, shape, tp_group=group))
+             for shape in ((3, 4, 2), (1, 5, 2), (1, 4, 2))}
     cases["int"] = lambda: ColumnParallelLinear(8, 12, tp_group=group, split_dim=1)
     # Both ranks get a [12, 8] shard, of different rows: only the fingerprint can tell.
     cases["split_dim"] = lambda: ColumnParallelLinear(8, (2, 12), tp_group=group,
@@ -327,9 +337,10 @@ def _on_rank_shapes_two_ranks_cannot_split():
 
 
 def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
-    """3 k/v heads over 2 ranks; 1 k/v head whose 3 query heads 2 ranks cannot split; 1 k/v
-    head and nothing declared shared; a split_dim without a shape; ranks splitting the same
-    shape along different dims (same local shape), refused on every rank."""
+    """3, then 1 along dim 0 over 2 ranks (shapes of q/k/v rows: the config refuses k/v heads
+    that neither divide nor are divided by the TP size before any layer exists); a split_dim
+    without a shape; ranks splitting the same shape along different dims (same local shape),
+    refused on every rank."""
     per_rank = pools(2).run(_on_rank_shapes_two_ranks_cannot_split)
     for shape, message in per_rank[0].items():
         if shape == "int":
