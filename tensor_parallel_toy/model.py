@@ -217,6 +217,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
+        # Equal sequence chunks, one per rank (and with overlap=m, m equal ring pieces each):
+        # shorter sequences are padded to a multiple of this.
+        self.seq_multiple = self.tp_size * (int(overlap) if overlap else 1)
         self.config, self.tp_group, self.overlap = config, tp_group, overlap
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -233,7 +236,7 @@ class Transformer(nn.Module):
             # and the embedding split the same vocabulary rows, so the shards line up too.
             self.head.weight = self.embed.weight
         # Room for the padded length: a sequence of max_seq_len may be padded past it.
-        cos, sin = rotary_tables(padded_seq_len(config.max_seq_len, self.tp_size),
+        cos, sin = rotary_tables(padded_seq_len(config.max_seq_len, self.seq_multiple),
                                  config.head_dim, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -252,13 +255,13 @@ class Transformer(nn.Module):
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
         s = input_ids.shape[1]
-        x = self.embed(pad_sequence(input_ids.t(), self.tp_size, 0))  # [s'/p, b, h]
+        x = self.embed(pad_sequence(input_ids.t(), self.seq_multiple, 0))  # [s'/p, b, h]
         for layer in self.layers:
             x = layer(x, self.rope_cos, self.rope_sin)
         logits = self.head(self.norm(x))  # [s', b, V/p]: s' = s padded to a multiple of p
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
-        labels = pad_sequence(labels.t(), self.tp_size, ignore_index)  # [s', b]
+        labels = pad_sequence(labels.t(), self.seq_multiple, ignore_index)  # [s', b]
         loss = self._cross_entropy(logits, labels, ignore_index, label_smoothing, reduction)
         return loss[:s].t() if reduction == "none" else loss  # [b, s] or a scalar
 

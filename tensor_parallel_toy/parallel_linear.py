@@ -86,29 +86,30 @@ class _RingAllGatherGemm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_local, weight, bias, group):
-        ring = Ring(group)
-        n = x_local.shape[0]
-        y = x_local.new_empty((n * ring.size, *x_local.shape[1:-1], weight.shape[0]))
+    def forward(ctx, x_local, weight, bias, group, pieces):
+        ring = Ring(group, pieces)
+        n = ring.block_rows(x_local.shape[0])  # rows of one block (a piece of a chunk)
+        y = x_local.new_empty((x_local.shape[0] * ring.size, *x_local.shape[1:-1],
+                               weight.shape[0]))
         ring_all_gather(x_local,
-                        lambda c, x_c: linear_into(y[c * n:(c + 1) * n], x_c, weight, bias), ring)
+                        lambda i, x_i: linear_into(y[i * n:(i + 1) * n], x_i, weight, bias), ring)
         ctx.save_for_backward(x_local, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.pieces, ctx.has_bias = group, pieces, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x_local, weight = ctx.saved_tensors
-        ring = Ring(ctx.group)
+        ring = Ring(ctx.group, ctx.pieces)
         dy = dy.contiguous()
-        n = x_local.shape[0]
-        dy_chunk = lambda c: dy[c * n:(c + 1) * n]  # noqa: E731
+        n = ring.block_rows(x_local.shape[0])
+        dy_block = lambda i: dy[i * n:(i + 1) * n]  # noqa: E731
 
         dw = WeightGradAccumulator(weight)
-        ring_all_gather(x_local, lambda c, x_c: dw.add(dy_chunk(c), x_c), ring)
-        dx_local = ring_reduce_scatter(lambda c: dy_chunk(c).matmul(weight), ring)
+        ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
+        dx_local = ring_reduce_scatter(lambda i: dy_block(i).matmul(weight), ring)
         db = bias_grad(dy) if ctx.has_bias else None
-        return dx_local, dw.result(), db, None
+        return dx_local, dw.result(), db, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,29 +160,30 @@ class _GemmRingReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ring = Ring(group)
-        n = x.shape[0] // ring.size
-        y_local = ring_reduce_scatter(lambda c: F.linear(x[c * n:(c + 1) * n], weight), ring)
+    def forward(ctx, x, weight, bias, group, pieces):
+        ring = Ring(group, pieces)
+        n = ring.block_rows(x.shape[0] // ring.size)
+        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * n:(i + 1) * n], weight), ring)
+        ctx.pieces = pieces
         return _finish_row_forward(ctx, y_local, x, weight, bias, group)
 
     @staticmethod
     def backward(ctx, dy_local):
         x, weight = ctx.saved_tensors
-        ring = Ring(ctx.group)
-        n = dy_local.shape[0]
+        ring = Ring(ctx.group, ctx.pieces)
+        n = ring.block_rows(dy_local.shape[0])
         # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
         # whose row slices are views (a reshape of a strided slice would be a copy).
         dx = x.new_empty(x.shape)
         dw = WeightGradAccumulator(weight)
 
-        def consume(c, dy_c):
-            torch.mm(flat(dy_c), weight, out=flat(dx[c * n:(c + 1) * n]))
-            dw.add(dy_c, x[c * n:(c + 1) * n])
+        def consume(i, dy_i):
+            torch.mm(flat(dy_i), weight, out=flat(dx[i * n:(i + 1) * n]))
+            dw.add(dy_i, x[i * n:(i + 1) * n])
 
         ring_all_gather(dy_local, consume, ring)
         db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
-        return dx, dw.result(), db, None
+        return dx, dw.result(), db, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,12 +194,14 @@ def column_parallel_linear(x, weight, bias, group, overlap=False):
 
     x `[s/p, b, in]` (this rank's sequence rows), weight `[out/p, in]`, bias `[out/p]` or None
     -> `[s, b, out/p]`. Backward: dX reduce-scattered back to `[s/p, b, in]`. `overlap=True`
-    runs the ring version. A group of one rank (or None) is a plain `F.linear`.
+    runs the ring version, `overlap=m` the ring with each chunk cut into m pieces (ring.py). A
+    group of one rank (or None) is a plain `F.linear`.
     """
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
-    fn = _RingAllGatherGemm if overlap else _AllGatherGemm
-    return fn.apply(x, weight, bias, group)
+    if not overlap:
+        return _AllGatherGemm.apply(x, weight, bias, group)
+    return _RingAllGatherGemm.apply(x, weight, bias, group, int(overlap))
 
 
 def row_parallel_linear(x, weight, bias, group, overlap=False):
@@ -205,15 +209,16 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
 
     x `[s, b, in/p]` (this rank's features), weight `[out, in/p]`, bias `[out]` (replicated)
     or None -> `[s/p, b, out]`, this rank's rows of the sum over ranks. Backward: dY is
-    all-gathered along the sequence. s must be a multiple of the group size. `overlap=True`
-    runs the ring version. A group of one rank (or None) is a plain `F.linear`.
+    all-gathered along the sequence. s must be a multiple of the group size. `overlap`: as in
+    `column_parallel_linear`. A group of one rank (or None) is a plain `F.linear`.
     """
     p = group_size(group)
     if p == 1:
         return F.linear(x, weight, bias)
     check_divisible("sequence length", x.shape[0], p, "pad the sequence (the Transformer does)")
-    fn = _GemmRingReduceScatter if overlap else _GemmReduceScatter
-    return fn.apply(x, weight, bias, group)
+    if not overlap:
+        return _GemmReduceScatter.apply(x, weight, bias, group)
+    return _GemmRingReduceScatter.apply(x, weight, bias, group, int(overlap))
 
 
 class _ParallelLinear(nn.Module):

@@ -25,82 +25,113 @@ stream, event or `record_stream` of its own, and the CPU tests run exactly the c
 except what NCCL does inside. The transfers' priority is set where the
 process group is made (initialize.py, `high_priority_streams`), not here.
 """
+import torch
+
 from .comm import group_rank, group_size, send_recv
 
 
 class Ring:
-    """This rank's neighbours in a ring over `group`, and one step of traffic around it."""
+    """This rank's neighbours in a ring over `group`, and one transfer around it.
 
-    def __init__(self, group):
-        self.group = group
+    `pieces`: how many transfers each chunk is cut into along its rows (it must divide them).
+    With one, a chunk's GEMM waits for the whole chunk; with m, it starts on the first of its
+    m pieces while the rest are still on the wire, so at p = 2 an all-gather + GEMM of
+    transfer time C and GEMM time G takes about max(G, C + G / (2m)) instead of
+    max(C, G/2) + G/2. The functions below call their consumer or producer once per piece,
+    with the piece's index among all p * pieces of them (block c * pieces + j is piece j of
+    chunk c): `pieces` = 1 is the plain ring.
+    """
+
+    def __init__(self, group, pieces=1):
+        self.group, self.pieces = group, int(pieces)
         self.size, self.rank = group_size(group), group_rank(group)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
+    def block_rows(self, chunk_rows):
+        """The rows of one piece of a chunk of `chunk_rows` rows (pieces must divide them)."""
+        if self.pieces < 1 or chunk_rows % self.pieces:
+            raise ValueError(f"{chunk_rows} sequence rows per rank cannot be cut into "
+                             f"{self.pieces} ring pieces: use a number of pieces that divides "
+                             f"them (overlap=True is one piece)")
+        return chunk_rows // self.pieces
+
     def shift(self, send, recv):
         """Post: send `send` to the next rank, receive into `recv` from the previous one.
-        Returns the pending step: after its `wait()`, `recv` holds the chunk and `send` may be
-        written again."""
+        Returns the pending transfer: after its `wait()`, `recv` holds the data and `send`
+        may be written again."""
         return send_recv(send, self.next, recv, self.prev, self.group)
 
 
 def ring_all_gather(shard, shard_consumer, ring):
-    """Pass this rank's `shard` around the ring; call `shard_consumer(c, chunk_c)` on every chunk.
+    """Pass this rank's `shard` around the ring; call `shard_consumer(i, block_i)` on every
+    block.
 
-    shard `[n, ...]` (this rank's chunk r); `shard_consumer(c, chunk)` gets each of the p chunks
-    once, its own first, and must not keep `chunk` (its buffer receives again two steps later).
-    The plain code it is equivalent to, with each transfer hidden under a consumer call instead:
+    shard `[n, ...]` (this rank's chunk r, m = ring.pieces blocks of n/m rows);
+    `shard_consumer(i, block)` gets each of the p * m blocks once, its own chunk's first, and
+    must not keep `block` (its buffer receives again two steps later). The plain code it is
+    equivalent to, with each transfer hidden under a consumer call instead:
 
-        chunks = all_gather(shard)                  # [p, n, ...], chunk c from rank c
+        blocks = all_gather(shard).chunk(p * m)      # block i: piece i % m of rank i // m's
         for k in range(p):
-            shard_consumer((r - k) % p, chunks[(r - k) % p])
+            for j in range(m):
+                i = (r - k) % p * m + j
+                shard_consumer(i, blocks[i])
 
-    Step k: rank r holds chunk (r - k) mod p. The send/recv of step k+1's chunk is posted
-    *before* the consumer runs on chunk k, so the transfer is in flight during the GEMM:
+    Step k: rank r holds chunk (r - k) mod p. Each piece of it is passed on to the next rank
+    (posted) *before* the consumer runs on it, so the transfers are in flight during the GEMMs:
 
         rank r:  post(k=0) | gemm(chunk r)   | wait | post(k=1) | gemm(chunk r-1) | wait | ...
     """
-    p, r = ring.size, ring.rank
+    p, r, m = ring.size, ring.rank, ring.pieces
     current = shard.contiguous()  # P2P sends and receives whole, densely packed buffers
     spare = [current.new_empty(current.shape) for _ in range(min(p - 1, 2))]
+    pending = [None] * m  # piece j's transfer posted in the previous step
     for k in range(p):
-        pending = None
-        if k < p - 1:
-            # Not `current` (sent and consumed during this step), and never the caller's shard.
-            # The other spare held the chunk of step k-1: consumed and sent, both waited for.
-            incoming = spare[k % 2]
-            pending = ring.shift(send=current, recv=incoming)
-        shard_consumer((r - k) % p, current)
-        if pending is not None:
-            pending.wait()
-            current = incoming
+        # Not `current` (sent and consumed during this step), and never the caller's shard.
+        # The other spare held the chunk of step k-1: consumed and sent, both waited for
+        # piece by piece below before this step reuses it.
+        incoming = spare[k % 2] if k < p - 1 else None
+        for j, piece in enumerate(current.chunk(m)):
+            if pending[j] is not None:
+                pending[j].wait()  # piece j of this step's chunk is here
+            if incoming is not None:
+                pending[j] = ring.shift(send=piece, recv=incoming.chunk(m)[j])
+            shard_consumer((r - k) % p * m + j, piece)
+        current = incoming
 
 
 def ring_reduce_scatter(chunk_producer, ring):
-    """Reduce-scatter of partial sums that `chunk_producer(c)` computes chunk by chunk, just in
+    """Reduce-scatter of partial sums that `chunk_producer(i)` computes block by block, just in
     time.
 
-    `chunk_producer(c)` returns this rank's partial sum of chunk c, `[n, ...]`, a tensor the
-    ring may add into. Returns chunk r summed over all ranks. The plain code it is equivalent
-    to, with each transfer hidden under the next producer call instead:
+    `chunk_producer(i)` returns this rank's partial sum of block i, `[n/m, ...]` (m =
+    ring.pieces blocks per chunk; block c * m + j is piece j of chunk c), a tensor the ring
+    may add into. Returns chunk r summed over all ranks, `[n, ...]`. The plain code it is
+    equivalent to, with each transfer hidden under the next producer call instead:
 
-        partials = torch.cat([chunk_producer(c) for c in range(p)])   # [p*n, ...]
+        partials = torch.cat([chunk_producer(i) for i in range(p * m)])   # [p*n, ...]
         return reduce_scatter(partials)                         # chunk r, summed over ranks
 
     The running sum of chunk c starts on rank c+1 and travels right around the ring, each rank
     adding its own partial, until it reaches rank c with all p partials in it. Each rank sends
-    p-1 chunks of N/p elements: the same traffic as one reduce-scatter. While one accumulator
-    is in flight, the GEMM for the next chunk runs.
+    p-1 chunks of N/p elements: the same traffic as one reduce-scatter. While one piece of a
+    running sum is in flight, the GEMM for the next piece runs.
     """
-    p, r = ring.size, ring.rank
-    acc = chunk_producer((r - 1) % p).contiguous()
-    if p == 1:
-        return acc
-    # One receive buffer is enough: the add that reads it is queued before the next step's
-    # receive is posted, and the post orders the transfer after it.
-    incoming = acc.new_empty(acc.shape)
-    for k in range(1, p):
-        pending = ring.shift(send=acc, recv=incoming)
-        partial = chunk_producer((r - 1 - k) % p)
-        pending.wait()
-        acc = partial.add_(incoming)
-    return acc
+    p, r, m = ring.size, ring.rank, ring.pieces
+    sums, pending, incoming = [None] * m, [None] * m, [None] * m
+    for k in range(p):
+        c = (r - 1 - k) % p  # the chunk whose running sum passes through this rank now
+        for j in range(m):
+            partial = chunk_producer(c * m + j).contiguous()
+            if pending[j] is not None:
+                pending[j].wait()  # piece j of chunk c's running sum is here
+                partial.add_(incoming[j])  # `sums[j]`, now sent, may be dropped
+            sums[j] = partial
+            if k < p - 1:
+                if incoming[j] is None:
+                    incoming[j] = partial.new_empty(partial.shape)
+                # One receive buffer per piece is enough: the add that reads it is queued
+                # before the next receive into it is posted, and the post orders the transfer
+                # after it.
+                pending[j] = ring.shift(send=partial, recv=incoming[j])
+    return sums[0] if m == 1 else torch.cat(sums)

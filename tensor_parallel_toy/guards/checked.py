@@ -27,6 +27,15 @@ from .batch import check_batch, check_loss_options, check_token_ids
 from .replicated_grads import check_every_option, watch_replicated_gradients
 
 
+def check_overlap_option(overlap):
+    """overlap: False (whole collectives), True (the ring) or m >= 1 (the ring, each chunk cut
+    into m pieces); anything else is refused in one line."""
+    if isinstance(overlap, bool) or (isinstance(overlap, int) and overlap >= 1):
+        return
+    raise ValueError(f"overlap={overlap!r}: valid are False (whole collectives), True (the "
+                     f"ring) or a number of ring pieces m >= 1")
+
+
 def _agree_on_layer(layer, **fields):
     """The ranks of the layer's group compare its fingerprint; one line on every rank if not."""
     name = type(layer).__name__
@@ -40,6 +49,7 @@ class ColumnParallelLinear(parallel_linear.ColumnParallelLinear):
     all-gather when it is built; a rank that built another layer raises on every rank)."""
 
     def __init__(self, in_features, out_features, **kwargs):
+        check_overlap_option(kwargs.get("overlap", False))
         super().__init__(in_features, out_features, **kwargs)
         split = tensor_parallel_rows(self.weight)  # ranks may hold the same shape's other rows
         _agree_on_layer(self, in_features=in_features, out_features=out_features,
@@ -52,6 +62,7 @@ class RowParallelLinear(parallel_linear.RowParallelLinear):
     ColumnParallelLinear's)."""
 
     def __init__(self, in_features, out_features, **kwargs):
+        check_overlap_option(kwargs.get("overlap", False))
         super().__init__(in_features, out_features, **kwargs)
         _agree_on_layer(self, in_features=in_features, out_features=out_features,
                         overlap=self.overlap, split=None)
@@ -117,6 +128,7 @@ def with_guards(transformer_class):
     def __init__(self, config, tp_group=None, overlap=False, *, seed=0, check_ids=None,
                  same_batch="check", check_replicated_grads=None):
         config.check_tp_size(group_size(tp_group))  # before any layer is built
+        check_overlap_option(overlap)
         check_same_batch_option(same_batch)
         check_every_option(check_replicated_grads)
         build(self, config, tp_group, overlap, seed=seed)

@@ -57,14 +57,17 @@ def _on_rank_check_model_bf16():
 
 
 def _on_rank_overlap_vs_basic():
+    """The ring, and the ring in 3 pieces per chunk (the sequence padded to a multiple of
+    3p), against whole collectives."""
     group, _, _ = world()
     out = {}
-    for overlap in (False, True):
+    for overlap in (False, True, 3):
         model = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=3)
-        ids, labels = fixed_batch(seed=11)
+        ids, labels = fixed_batch(seed=11, seq=10)  # padded to 12 rows, 3 per rank
         model.loss(ids, labels).backward()
         out[overlap] = {"loss": model.loss(ids, labels).detach(), **model.full_grads()}
-    return {k: max_rel_error(out[True][k], v) for k, v in out[False].items()}
+    return {f"overlap={o} {k}": max_rel_error(out[o][k], v) for o in (True, 3)
+            for k, v in out[False].items()}
 
 
 def _on_rank_bad_inputs():

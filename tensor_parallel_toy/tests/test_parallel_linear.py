@@ -59,12 +59,18 @@ def _forward_backward(layer, x, dy, strided):
     return y, x_leaf.grad.transpose(0, 1) if strided else x_leaf.grad
 
 
+# overlap="pieces": the ring with each chunk cut into this many pieces, by TP size (SEQ = 12
+# rows: 6, 4 or 3 per rank).
+PIECES = {2: 3, 3: 2, 4: 3}
+
+
 def _run_parallel_linear(kind, overlap, bias, dtype, full, group, strided=False):
     """Run one TP layer on this rank's shards of the full tensors; return full-shape-indexed
     views of the reference that this rank's results must equal, and those results.
     `strided`: the input and the output gradient are transposed views of batch-first tensors."""
     x, w, b, dy = full
     p, r, dev = dist.get_world_size(group), dist.get_rank(group), current_device()
+    overlap = PIECES[p] if overlap == "pieces" else overlap
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
     layer = cls(w.shape[1], w.shape[0], tp_group=group, bias=bias, overlap=overlap,
                 device=dev, dtype=dtype)
@@ -146,7 +152,7 @@ def _on_rank_check_linear_on_subgroups(groups):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "pieces"], ids=["basic", "overlap", "pieces"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dtype, backend):
@@ -160,7 +166,7 @@ def test_parallel_linear_matches_full_linear(pools, tp, kind, overlap, bias, dty
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["basic", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "pieces"], ids=["basic", "overlap", "pieces"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", [2, 3])
 def test_parallel_linear_takes_transposed_views_of_batch_first_tensors(pools, tp, kind, overlap,
@@ -351,6 +357,26 @@ def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
         else:
             assert_one_line(message, [f"out_features={shape}", "tensor-parallel size 2"],
                             f"out_features={shape}")
+
+
+def _on_rank_uneven_pieces():
+    """6 sequence rows per rank cut into 4 ring pieces, and bad overlap values: refused."""
+    group = dist.group.WORLD
+    x = torch.randn(6, 2, 8)
+    return value_error_messages({
+        "column": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=4)(x),
+        "row": lambda: RowParallelLinear(8, 4, tp_group=group, overlap=4)(
+            torch.randn(12, 2, 4)),
+        "zero": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=0.5)})
+
+
+def test_ring_pieces_that_do_not_divide_the_rows_are_refused_in_one_line_on_every_rank(pools):
+    for rank, messages in enumerate(pools(2).run(_on_rank_uneven_pieces)):
+        for kind in ("column", "row"):
+            assert_one_line(messages[kind], ["6 sequence rows per rank", "4 ring pieces"],
+                            f"rank {rank} {kind}")
+        assert_one_line(messages["zero"], ["overlap=0.5", "number of ring pieces"],
+                        f"rank {rank} overlap=0.5")
 
 
 def test_functional_ops_on_a_group_of_one_are_plain_linear():
