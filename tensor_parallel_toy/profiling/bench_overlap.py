@@ -65,39 +65,41 @@ TARGET_COMM_OVER_GEMM = 0.4  # calibration: comm is 40% of the GEMM (why: see ch
 ROUNDS_PER_BLOCK = 5  # rounds per ratio in the spread of op time / max(comm, GEMM)
 
 
-def _forward(op, x, w, group):
-    """The op's forward, both schedules: {overlap: zero-argument callable}."""
-    return {overlap: (lambda o=overlap: op(x, w, None, group, o)) for overlap in (False, True)}
+def _forward(op, x, w, group, overlap):
+    """The op's forward, both schedules: {False: basic, True: overlapped (`overlap`: True or
+    a number of ring pieces)}, each a zero-argument callable."""
+    return {o: (lambda v=v: op(x, w, None, group, v)) for o, v in ((False, False), (True, overlap))}
 
 
-def _backward(op, x, w, dy, group):
+def _backward(op, x, w, dy, group, overlap):
     """The op's backward, both schedules, each on a graph built once here (a collective: every
     rank builds its ops in the same order) and replayed: the grads of x and w from dy."""
-    graphs = {overlap: op(x, w, None, group, overlap) for overlap in (False, True)}
-    return {overlap: (lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
-            for overlap, y in graphs.items()}
+    graphs = {o: op(x, w, None, group, v) for o, v in ((False, False), (True, overlap))}
+    return {o: (lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+            for o, y in graphs.items()}
 
 
 def _ring_gather_into(full, ring, n):
-    """ring.py's all-gather into the slices of `full` ([s, ...], this rank's rows filled): the
-    p-1 transfers the overlapped Function makes, with nothing computed under them but the copy
-    of each arriving chunk into its place."""
-    r = ring.rank
+    """ring.py's all-gather into the slices of `full` ([s, ...], this rank's n rows filled):
+    the transfers the overlapped Function makes, with nothing computed under them but the copy
+    of each arriving block into its place."""
+    r, rows = ring.rank, ring.block_rows(n)
 
-    def place(c, chunk):
-        if c != r:
-            full[c * n:(c + 1) * n].copy_(chunk)
+    def place(i, block):
+        if i // ring.pieces != r:
+            full[i * rows:(i + 1) * rows].copy_(block)
     ring_all_gather(full[r * n:(r + 1) * n], place, ring)
 
 
 class _Op:
     """The tensors of one op on this rank and its five variants as zero-argument callables."""
 
-    def __init__(self, name, s, b, h, f, group, device, dtype):
+    def __init__(self, name, s, b, h, f, group, device, dtype, overlap=True):
         p = dist.get_world_size(group)
         r = dist.get_rank(group)
         n = s // p
-        ring = Ring(group)
+        ring = Ring(group, int(overlap))
+        q = ring.block_rows(n)  # rows of one ring block (a piece of a chunk)
         self.device, self.seq_comm_s = device, []
         new = lambda *shape, grad=False: torch.randn(  # noqa: E731
             *shape, device=device, dtype=dtype).requires_grad_(grad)
@@ -109,13 +111,13 @@ class _Op:
             x_full[r * n:(r + 1) * n] = x_r.detach()
             self.phases = [(lambda: _ring_gather_into(x_full, ring, n),
                             lambda: mm(x_full, w.detach().t(), y), "comm first")]
-            schedules = _forward(column_parallel_linear, x_r, w, group)
+            schedules = _forward(column_parallel_linear, x_r, w, group, overlap)
         elif name == "row_fwd":
             x, w = new(s, b, f // p, grad=True), new(h, f // p, grad=True)
             part = new(s, b, h)
-            self.phases = [(lambda: ring_reduce_scatter(lambda c: part[c * n:(c + 1) * n], ring),
+            self.phases = [(lambda: ring_reduce_scatter(lambda i: part[i * q:(i + 1) * q], ring),
                             lambda: mm(x.detach(), w.detach().t(), part), "gemm first")]
-            schedules = _forward(row_parallel_linear, x, w, group)
+            schedules = _forward(row_parallel_linear, x, w, group, overlap)
         elif name == "row_bwd":
             x, w, dy_r = new(s, b, f // p, grad=True), new(h, f // p, grad=True), new(n, b, h)
             dy_full, dx, dw = new(s, b, h), new(s, b, f // p), new(h, f // p)
@@ -124,7 +126,7 @@ class _Op:
                             lambda: (mm(dy_full, w.detach(), dx),
                                      mm(dy_full.flatten(0, 1).t(), x.detach().flatten(0, 1), dw)),
                             "comm first")]
-            schedules = _backward(row_parallel_linear, x, w, dy_r, group)
+            schedules = _backward(row_parallel_linear, x, w, dy_r, group, overlap)
         elif name == "column_bwd":
             x_r, w, dy = new(n, b, h, grad=True), new(f // p, h, grad=True), new(s, b, f // p)
             x_full, dw, dx_full = new(s, b, h), new(f // p, h), new(s, b, h)
@@ -132,9 +134,9 @@ class _Op:
             self.phases = [
                 (lambda: _ring_gather_into(x_full, ring, n),
                  lambda: mm(dy.flatten(0, 1).t(), x_full.flatten(0, 1), dw), "comm first"),
-                (lambda: ring_reduce_scatter(lambda c: dx_full[c * n:(c + 1) * n], ring),
+                (lambda: ring_reduce_scatter(lambda i: dx_full[i * q:(i + 1) * q], ring),
                  lambda: mm(dy, w.detach(), dx_full), "gemm first")]
-            schedules = _backward(column_parallel_linear, x_r, w, dy, group)
+            schedules = _backward(column_parallel_linear, x_r, w, dy, group, overlap)
         else:
             raise ValueError(f"unknown op {name!r}; valid: {', '.join(OPS)}")
         self.basic, self.overlap = schedules[False], schedules[True]
@@ -217,7 +219,7 @@ def run(spec):
         calibrated = True
     raw = {}
     for name in OPS:
-        op = _Op(name, s, b, h, f, group, device, dtype)
+        op = _Op(name, s, b, h, f, group, device, dtype, spec.overlap)
         fns = {v: getattr(op, v) for v in VARIANTS}
         for _ in range(spec.bench_warmup):
             for fn in fns.values():
@@ -232,14 +234,15 @@ def run(spec):
                     cpu.append(proc)
                     cpu_main.append(main)
         phases = []
-        for comm, gemm, _ in op.phases:  # per-phase alone times, for the schedule ceiling
+        for comm, gemm, order in op.phases:  # per-phase alone times, for the schedule ceiling
             phases.append({"comm": [_timed(comm, device, group)[0] for _ in range(9)],
-                           "gemm": [_timed(gemm, device, group)[0] for _ in range(9)]})
+                           "gemm": [_timed(gemm, device, group)[0] for _ in range(9)],
+                           "order": order})
         raw[name] = {"times": times, "comm_cpu": cpu, "comm_cpu_main": cpu_main,
                      "seq_comm": op.seq_comm_s[-len(times["seq"]):], "phases": phases}
     p = dist.get_world_size(group)
     return {"shape": {"s": s, "b": b, "h": h, "f": f, "p": p, "calibrated": calibrated,
-                      "dtype": spec.dtype},
+                      "dtype": spec.dtype, "pieces": spec.ring_pieces},
             "raw": raw, "device": device.type}
 
 
@@ -247,9 +250,29 @@ def _median(values):
     return float(torch.tensor(values, dtype=torch.float64).median())
 
 
-def _schedule_time(t_comm, t_gemm, p):
-    """Best time of a p-chunk ring pipeline: p-1 transfers, each hidden under one chunk."""
-    return (p - 1) * max(t_gemm / p, t_comm / (p - 1)) + t_gemm / p
+def schedule_time(t_comm, t_gemm, p, m=1, order="comm first"):
+    """The best time of ring.py's schedule for one phase: p chunks of m pieces each, a piece's
+    GEMM taking t_gemm / (p m), its transfer t_comm / ((p - 1) m) on a wire that carries one
+    transfer at a time and costs the core nothing. Played step by step as the code runs:
+    "comm first" (ring_all_gather): wait for the piece, pass it on, compute on it; "gemm first"
+    (ring_reduce_scatter): compute the piece's partial, wait for the running sum, pass it on.
+    At p = 2 it is max(t_comm, t_gemm/2) + t_gemm/2 with one piece and about
+    max(t_gemm, t_comm + t_gemm/(2m)) with m."""
+    g, c = t_gemm / (p * m), t_comm / ((p - 1) * m)
+    t = wire_free = 0.0
+    arrival = {}
+    for k in range(p):
+        for j in range(m):
+            if order == "gemm first":
+                t += g
+            if k > 0:
+                t = max(t, arrival[k, j])
+            if k < p - 1:
+                wire_free = max(t, wire_free) + c
+                arrival[k + 1, j] = wire_free
+            if order == "comm first":
+                t += g
+    return t
 
 
 def _over_max_blocks(slowest, variant, k=ROUNDS_PER_BLOCK):
@@ -271,7 +294,7 @@ def _over_max_blocks(slowest, variant, k=ROUNDS_PER_BLOCK):
 def summarize(per_rank):
     """Combine the ranks' raw times (slowest rank per iteration) into the reported numbers."""
     first = per_rank[0]
-    p = first["shape"]["p"]
+    p, m = first["shape"]["p"], first["shape"].get("pieces", 1)
     out = {"shape": first["shape"], "ops": {}}
     for name, label in OPS.items():
         slowest = {v: [max(r["raw"][name]["times"][v][i] for r in per_rank)
@@ -282,10 +305,11 @@ def summarize(per_rank):
         # The schedule ceiling from the per-phase times alone (numerator and denominator from
         # the same measurements, so it lies in [0, 1]).
         phases = [(max(_median(ph["comm"]) for ph in ranks),
-                   max(_median(ph["gemm"]) for ph in ranks))
+                   max(_median(ph["gemm"]) for ph in ranks), ranks[0]["order"])
                   for ranks in zip(*(r["raw"][name]["phases"] for r in per_rank))]
-        saved = sum(c + g - _schedule_time(c, g, p) for c, g in phases)
-        ceiling = saved / min(sum(c for c, _ in phases), sum(g for _, g in phases))
+        bound = sum(schedule_time(c, g, p, m, order) for c, g, order in phases)
+        saved = sum(c + g for c, g, _ in phases) - bound
+        ceiling = saved / min(sum(c for c, _, _ in phases), sum(g for _, g, _ in phases))
         hideable = min(t["comm"], t["gemm"])
         seq_comm = _median([max(r["raw"][name]["seq_comm"][i] for r in per_rank)
                             for i in range(len(first["raw"][name]["seq_comm"]))])
@@ -302,7 +326,11 @@ def summarize(per_rank):
                "overlap_over_max_blocks": _over_max_blocks(slowest, "overlap"),
                "basic_over_max_blocks": _over_max_blocks(slowest, "basic"),
                "comm_over_gemm": t["comm"] / t["gemm"],
-               "schedule_ceiling": ceiling}
+               "schedule_ceiling": ceiling,
+               # The schedule's own best time for these phases (p chunks, m pieces), and the
+               # op against it: 1.0 is all the schedule allows.
+               "schedule_bound_ms": bound * 1e3,
+               "overlap_over_bound": t["overlap"] / bound}
         if first["device"] == "cpu":
             row["comm_cpu_ms"] = c_comm * 1e3
             row["comm_cpu_posting_thread_ms"] = c_main * 1e3

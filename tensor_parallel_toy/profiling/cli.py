@@ -26,7 +26,7 @@ import torch
 from ..interop import dtensor_tp
 from ..config import ModelConfig
 from ..launcher.initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
-from . import link, report, sweep
+from . import link, report, sweep, wire
 from .data import CORPUS_VOCAB
 from .phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases, under_torchrun,
                      write_outputs)
@@ -118,7 +118,12 @@ def build_parser():
                    "rank in its own network namespace, the ranks joined by a link shaped to "
                    "RATE (e.g. 4gbit, 500mbit) with tc tbf, as if on separate hosts (see "
                    "profiling/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep of tp "
-                   "and tp_overlap over them and loopback, written to sweep.json and sweep.png")
+                   "and tp_overlap over them and loopback, written to sweep.json and sweep.png. "
+                   "model:RATE[:LATENCY] (e.g. model:1gbit, model:4gbit:50us): a model of a "
+                   "wire that costs the cores nothing, no root needed (profiling/wire.py)")
+    p.add_argument("--ring-pieces", type=int, default=d.ring_pieces, metavar="M",
+                   help=f"tp_overlap: cut each ring chunk into M transfers, a piece's GEMM "
+                        f"starting as soon as it is here (overlap=M; default {d.ring_pieces})")
     return p
 
 
@@ -174,6 +179,7 @@ def parse_args(argv, env=os.environ):
     if not modes or bad:
         raise UsageError(f"--modes {args.modes!r}: valid modes with --model {args.model} are "
                          f"{', '.join(valid)}" + _other_model_hint(bad))
+    args.modes_given = args.modes is not None
     args.modes = [m for m in MODES if m in modes]  # always in the canonical order
     try:
         args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
@@ -196,6 +202,16 @@ def parse_args(argv, env=os.environ):
         raise UsageError(str(e)) from None
     args.bench_shape = _parse_bench_shape(args.bench_shape, args.tp)
     args.check_replicated_grads = _parse_check_replicated_grads(args.check_replicated_grads)
+    _check_int("ring-pieces", args.ring_pieces, 1, 64)
+    if args.ring_pieces > 1 and args.seq % (args.tp * args.ring_pieces):
+        raise UsageError(f"--ring-pieces {args.ring_pieces} with --seq {args.seq} and --tp "
+                         f"{args.tp}: each rank's {args.seq / args.tp:g} sequence rows must cut "
+                         f"into {args.ring_pieces} equal pieces; use a --seq that is a multiple "
+                         f"of {args.tp * args.ring_pieces}")
+    args.wire = None
+    if wire.is_model(args.link):
+        args.wire = _check_wire(args, env)
+        args.link = None
     args.link_rates = _check_link(args.link, args.device, args.dp, env)
     args.backend = _check_device(args.device, args.tp * args.dp, env)
     if args.nccl_high_priority and args.backend != "nccl":
@@ -211,8 +227,27 @@ def parse_args(argv, env=os.environ):
         threads=args.threads, bench_iters=args.bench_iters,
         bench_shape=args.bench_shape,
         timeline_iters=args.timeline_iters, check_replicated_grads=args.check_replicated_grads,
-        trace_dir=os.path.abspath(args.out) if args.trace else None)
+        trace_dir=os.path.abspath(args.out) if args.trace else None,
+        ring_pieces=args.ring_pieces, wire=args.wire)
     return args
+
+
+def _check_wire(args, env):
+    """--link model:RATE: the wire's description; the modes it cannot carry refused (named)
+    or, left to the default, dropped."""
+    if args.device == "cuda":
+        raise UsageError(f"--link {args.link}: the modeled wire stands in for a network between "
+                         f"CPU ranks (gloo); it cannot be combined with --device cuda")
+    try:
+        description = wire.parse(args.link)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    unseen = [m for m in args.modes if m in ("dtensor", "hf_dtensor")]
+    if unseen and args.modes_given:
+        raise UsageError(f"--link {args.link} with --modes {','.join(unseen)}: DTensor's "
+                         f"collectives do not cross the modeled wire; leave them out of --modes")
+    args.modes = [m for m in args.modes if m not in unseen]
+    return description
 
 
 def _check_hf_dtensor(config, tp):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..guards.collectives import all_gather_objects
-from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train
+from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train, wire
 from .output import write_text
 
 PHASE_TIMEOUT_S = 3600.0
@@ -121,6 +121,8 @@ def _weight_grad_path(dtype):
 def run_phases(runner, args):
     """All phases; returns the results dict (complete on rank 0)."""
     spec = args.spec
+    if spec.wire is not None:  # --link model:RATE: every phase's transfers on the modeled wire
+        runner = wire.WiredRunner(runner, spec.wire)
     threads = runner.run(_threads, spec.threads)
     wgrad = runner.run(_weight_grad_path, spec.torch_dtype)[0]
     if spec.dp > 1 and (spec.bench_iters > 0 or spec.timeline_iters > 0):
@@ -189,7 +191,8 @@ def _meta(args, threads, load):
             "launcher": ("--link: one rank per network namespace" if link.LINK_ENV in os.environ
                          else "torchrun" if under_torchrun(os.environ) else "WorkerPool"),
             "link": (json.loads(os.environ[link.LINK_ENV]) if link.LINK_ENV in os.environ
-                     else None),
+                     else args.spec.wire),
+            "ring_pieces": args.spec.ring_pieces,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(["python -m tensor_parallel_toy profile", *args.argv])}
 

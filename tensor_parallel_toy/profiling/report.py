@@ -227,7 +227,11 @@ def _loss_target(results):
 
 
 def link_text(link):
-    """One line on the emulated link (profiling/link.py) the ranks talked over."""
+    """One line on the emulated link (profiling/link.py) or the modeled wire (wire.py) the
+    ranks talked over."""
+    if link.get("kind") == "model":
+        return (f"link: MODEL of a {link['rate']} wire, {link['latency_s'] * 1e6:.0f} us per "
+                f"hop: {link['what']}")
     measured = link.get("measured_bits_per_s")
     speed = (f"; {link['measured_by']}: {measured / 1e9:.2f} Gbit/s ({measured / 8e6:.0f} MB/s)"
              if measured else "")
@@ -242,6 +246,8 @@ def link_label(meta):
     if not link:
         return ("loopback, one machine" if meta.get("launcher") == "WorkerPool"
                 else f"{meta.get('backend')}, {meta.get('launcher')}")
+    if link.get("kind") == "model":
+        return f"modeled {link['rate']} wire (a model, not a network)"
     measured = link.get("measured_bits_per_s")
     return f"link {link['rate']}" + (f", {measured / 1e9:.2f} Gbit/s measured" if measured else "")
 
@@ -389,25 +395,31 @@ def summary_text(results):
         sh = bench["shape"]
         lines += ["", f"per-op overlap benchmark, each op of one MLP timed alone (ms, median "
                       f"over rounds of the slowest rank): s={sh['s']} "
-                      f"b={sh['b']} h={sh['h']} m={sh['f']} p={sh['p']} {sh['dtype']}"
+                      f"b={sh['b']} h={sh['h']} m={sh['f']} p={sh['p']} {sh['dtype']}, ring "
+                      f"pieces {sh.get('pieces', 1)}"
                       + (" (MLP size m calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else ""),
                   f"{'op':<36}{'comm':>7}{'gemm':>7}{'seq':>7}{'overlap':>8}{'basic':>7}"
-                  f"{'hidden vs seq':>19}{'hidden vs parts':>19}{'overlap/max':>13}"
-                  f"{'ceiling: schedule':>19}{'cpu':>6}"]
+                  f"{'bound':>7}{'hidden vs seq':>15}{'hidden vs parts':>17}{'overlap/max':>13}"
+                  f"{'overlap/bound':>15}{'ceiling: schedule':>19}{'cpu':>6}"]
         for row in bench["ops"].values():
             cpu = f"{row['cpu_ceiling']:.0%}" if "cpu_ceiling" in row else "-"
+            bound = (f"{row['schedule_bound_ms']:>7.2f}", f"{row['overlap_over_bound']:>15.2f}") \
+                if "schedule_bound_ms" in row else (f"{'-':>7}", f"{'-':>15}")
             lines.append(f"{row['label']:<36}{row['t_comm_ms']:>7.2f}{row['t_gemm_ms']:>7.2f}"
                          f"{row['t_seq_ms']:>7.2f}{row['t_overlap_ms']:>8.2f}"
-                         f"{row['t_basic_ms']:>7.2f}{_hidden(row['hidden']):>19}"
-                         f"{_hidden(row['hidden_vs_parts']):>19}{row['overlap_over_max']:>13.2f}"
-                         f"{row['schedule_ceiling']:>19.0%}{cpu:>6}")
+                         f"{row['t_basic_ms']:>7.2f}{bound[0]}{_hidden(row['hidden']):>15}"
+                         f"{_hidden(row['hidden_vs_parts']):>17}{row['overlap_over_max']:>13.2f}"
+                         f"{bound[1]}{row['schedule_ceiling']:>19.0%}{cpu:>6}")
         lines.append("  legend: comm, gemm = the transfers alone, the GEMMs alone; seq = the two "
                      "one after the other; overlap, basic = the package's layer with overlap="
                      "True (rings), False (whole collectives); hidden = time saved against seq "
                      "(or comm + gemm) as a share of min(comm, gemm): 100% = all of the shorter "
                      "part hidden, negative = overlap cost time; overlap/max = overlap / "
-                     "max(comm, gemm), 1.00 at the limit; ceiling = the most a perfect p-chunk "
-                     "ring (schedule) or a transfer's own CPU time (cpu) leaves hideable")
+                     "max(comm, gemm), 1.00 at the limit; bound = the best time of the ring's "
+                     "schedule for these p and pieces on a wire that costs no compute "
+                     "(bench_overlap.schedule_time), overlap/bound 1.00 at it; ceiling = the "
+                     "most a perfect ring (schedule) or a transfer's own CPU time (cpu) leaves "
+                     "hideable")
         if all("overlap_over_max_blocks" in row for row in bench["ops"].values()):
             lines += [""] + _blocks_lines(bench)
     tl = results.get("timeline")

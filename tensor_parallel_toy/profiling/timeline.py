@@ -165,7 +165,8 @@ def record(spec):
     modes = ("tp", "tp_overlap")
     blocks, inputs = {}, {}
     for mode in modes:
-        blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        blocks[mode] = TransformerBlock(config, group,
+                                        overlap=mode == "tp_overlap" and spec.overlap)
         draw_full_weights_(blocks[mode], group, spec.seed)  # as the Transformer draws its own
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()

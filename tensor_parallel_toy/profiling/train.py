@@ -52,9 +52,11 @@ def mesh_2d(dp, tp, device_type):
     return init_mesh_2d(dp, tp, device_type)
 
 
-def build_model(mode, config, group, device, dtype, seed, mesh=None, check_replicated_grads=None):
+def build_model(mode, config, group, device, dtype, seed, mesh=None, check_replicated_grads=None,
+                overlap=True):
     """`group`: the TP group (1-D). `mesh`: the 2-D ("dp", "tp") grid, or None; given, the TP
-    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`.
+    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`. `overlap`: the
+    tp_overlap mode's (True: the ring; m: the ring in m pieces).
     `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its
     end-of-backward check is not ordered against FSDP2's own end-of-backward work."""
     guard = check_replicated_grads if mesh is None else None
@@ -62,8 +64,8 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None, check_repli
         return Transformer(config, seed=seed).to(device, dtype)
     if mode in ("tp", "tp_overlap"):
         tp = group if mesh is None else mesh["tp"].get_group()  # the same group, from the grid
-        model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap", seed=seed,
-                            check_replicated_grads=guard)
+        model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap" and overlap,
+                            seed=seed, check_replicated_grads=guard)
         model = model.to(device, dtype)
     elif mode == "dtensor":
         model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),

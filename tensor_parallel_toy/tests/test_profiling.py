@@ -173,6 +173,12 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--device", "cpu", "--nccl-high-priority"], ["--nccl-high-priority", "gloo",
                                                     "--device cuda"]),
     (["--check-replicated-grads", "0"], ["--check-replicated-grads '0'", "first", "off"]),
+    (["--link", "model:fast"], ["--link 'model:fast'", "model:1gbit"]),
+    (["--link", "model:1gbit:5s"], ["--link 'model:1gbit:5s'", "model:4gbit:50us"]),
+    (["--link", "model:1gbit", "--modes", "tp,dtensor"], ["dtensor", "modeled wire"]),
+    (["--link", "model:1gbit", "--device", "cuda"], ["model:1gbit", "--device cuda"]),
+    (["--ring-pieces", "3"], ["--ring-pieces 3", "64 sequence rows", "multiple of 6"]),
+    (["--ring-pieces", "0"], ["--ring-pieces 0", "between 1 and 64"]),
 ])
 def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path):
     code = profile.main([*flags, "--out", str(tmp_path / "out")])

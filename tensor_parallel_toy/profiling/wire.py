@@ -1,0 +1,178 @@
+"""`profile --link model:RATE`: a model of a wire that costs the compute cores nothing.
+
+On the emulated link (link.py) the bytes cross a real software wire, gloo, TCP, a veth pair
+and tbf, whose CPU work lands on the same cores as both ranks' GEMMs: there a GEMM beside a
+transfer runs slower, and what the overlap schedule itself can hide is hidden by that. On a GPU
+a transfer runs on NCCL's stream, a copy engine or a NIC, beside the GEMM. This module models
+such a wire inside each rank, from outside the library (it wraps torch.distributed's entry
+points, as transfers.py does):
+
+- every transfer still runs over gloo on loopback (fast: the bytes are really moved, and the
+  results are the package's own), but completes only at its modeled arrival time, and the
+  host *sleeps* until then rather than computing the wire;
+- the arrival time: the rank's outgoing wire carries one transfer at a time, so a transfer
+  posted at t starts at max(t, the end of the previous one), takes bytes / rate on the wire,
+  and arrives `latency` per hop after that;
+- the bytes a rank sends are what a ring moves: an all-gather (p-1) times its shard, a
+  reduce-scatter (p-1)/p of its input, an all-reduce twice that, a broadcast the tensor, a
+  ring step (P2P) its send buffer; a collective pays p-1 hops of latency, a ring step one.
+  Every mode's communication crosses the same wire, so the modes compare on one wire.
+- each rank models its own sends: in the package's rings and collectives every rank sends as
+  much as it receives, at the same step, so its transfer arrives when its peer's does.
+
+Bookkeeping (barriers, objects) is not modeled. PyTorch's DTensor runs its collectives through
+its functional collectives, which this wrapper does not see: a modeled run leaves the DTensor
+modes out. Every output of such a run says that the link is a model, not a measurement.
+"""
+import contextlib
+import time
+
+import torch.distributed as dist
+
+from .link import UNITS
+
+PREFIX = "model:"
+LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3}
+DEFAULT_LATENCY_S = 20e-6  # per hop: a NIC and a switch, roughly
+FORMS = "model:RATE or model:RATE:LATENCY, e.g. model:1gbit, model:4gbit:50us"
+
+
+def is_model(text):
+    return text is not None and text.startswith(PREFIX)
+
+
+def parse(text):
+    """'model:1gbit[:20us]' -> the wire's description (a dict for results.json); ValueError,
+    one line, otherwise."""
+    parts = text[len(PREFIX):].split(":")
+    try:
+        number, unit = _split_unit(parts[0], UNITS)
+        latency = DEFAULT_LATENCY_S
+        if len(parts) > 1:
+            value, latency_unit = _split_unit(parts[1], LATENCY_UNITS)
+            latency = value * LATENCY_UNITS[latency_unit]
+        if len(parts) > 2 or number <= 0 or latency < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--link {text!r}: expected {FORMS}") from None
+    return {"kind": "model", "rate": parts[0], "bits_per_s": number * UNITS[unit],
+            "latency_s": latency,
+            "what": "a model of a wire that uses no compute core: each transfer arrives at "
+                    "latency + bytes / rate, one at a time per direction, the host asleep "
+                    "meanwhile (not a measurement of a network)"}
+
+
+def _split_unit(text, units):
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            return float(text[:-len(unit)]), unit
+    raise ValueError(text)
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class ModeledWire:
+    """One rank's outgoing wire: when it is free, and when a transfer posted now arrives."""
+
+    def __init__(self, bits_per_s, latency_s):
+        self.bytes_per_s, self.latency_s = bits_per_s / 8, latency_s
+        self.free_at = 0.0
+
+    def arrival(self, nbytes, hops):
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + nbytes / self.bytes_per_s
+        return self.free_at + hops * self.latency_s
+
+    def delivery_s(self, nbytes, hops=1):
+        """The model's time for one transfer alone on the wire (for tests and reports)."""
+        return nbytes / self.bytes_per_s + hops * self.latency_s
+
+
+class _Arriving:
+    """A posted transfer's handle whose wait() also waits for the modeled arrival."""
+
+    def __init__(self, work, arrival):
+        self.work, self.at = work, arrival
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        _sleep_until(self.at)
+        return True
+
+
+def _sleep_until(at):
+    left = at - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _sent(name, args, p):
+    """(bytes this rank puts on the wire, hops) for one call of `name`."""
+    if name in ("all_gather_single", "all_gather"):
+        return (p - 1) * _nbytes(args[1]), p - 1
+    if name == "reduce_scatter_single":
+        return (p - 1) * _nbytes(args[1]) // p, p - 1
+    if name == "all_reduce":
+        return 2 * (p - 1) * _nbytes(args[0]) // p, 2 * (p - 1)
+    return _nbytes(args[0]), 1  # broadcast
+
+
+def _group_size(kwargs):
+    return dist.get_world_size(kwargs.get("group"))
+
+
+def _wired_collective(name, fn, wire):
+    def call(*args, **kwargs):
+        nbytes, hops = _sent(name, args, _group_size(kwargs))
+        arrival = wire.arrival(nbytes, hops)  # posted now, whether or not the call blocks
+        work = fn(*args, **kwargs)
+        if work is None:  # a blocking call: the host waits for the wire here
+            _sleep_until(arrival)
+            return None
+        return _Arriving(work, arrival)
+    return call
+
+
+def _wired_ring_step(fn, wire):
+    def call(ops):
+        nbytes = sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
+        arrival = wire.arrival(nbytes, 1)
+        works = fn(ops)
+        return [_Arriving(work, arrival) for work in works]
+    return call
+
+
+@contextlib.contextmanager
+def modeled(description):
+    """Inside, every transfer of this rank crosses the modeled wire `description` (`parse`)."""
+    wire = ModeledWire(description["bits_per_s"], description["latency_s"])
+    names = ("all_gather_single", "all_gather", "reduce_scatter_single", "all_reduce",
+             "broadcast")
+    originals = {name: getattr(dist, name) for name in (*names, "batch_isend_irecv")}
+    try:
+        for name in names:
+            setattr(dist, name, _wired_collective(name, originals[name], wire))
+        dist.batch_isend_irecv = _wired_ring_step(originals["batch_isend_irecv"], wire)
+        yield wire
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def run_on_wire(description, fn, *args):
+    """`fn(*args)` with this rank's transfers on the modeled wire (a phase, in a worker)."""
+    with modeled(description):
+        return fn(*args)
+
+
+class WiredRunner:
+    """A phases runner whose every phase runs on the modeled wire in every rank."""
+
+    def __init__(self, inner, description):
+        self.inner, self.rank, self.description = inner, inner.rank, description
+
+    def run(self, fn, *args):
+        return self.inner.run(run_on_wire, self.description, fn, *args)

@@ -1,0 +1,127 @@
+"""The modeled wire of `profile --link model:RATE` (profiling/wire.py) and the ring's schedule
+bound it is compared with (bench_overlap.schedule_time).
+
+The wire must deliver a transfer of a known size at its model's time (bytes / rate + latency,
+one transfer at a time per direction), with the bytes really moved; a run on it must say in
+its results that the link is a model.
+"""
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensor_parallel_toy.comm import all_gather_seq
+from tensor_parallel_toy.profiling import cli as profile
+from tensor_parallel_toy.profiling import phases, wire
+from tensor_parallel_toy.profiling.bench_overlap import schedule_time
+from tensor_parallel_toy.ring import Ring
+
+RATE = "1gbit"
+LATENCY_S = 50e-6
+WITHIN = 0.10  # the measured time may exceed the model's by this share (the host's own work)
+
+
+def test_parse_reads_rate_and_latency_and_refuses_the_rest_in_one_line():
+    described = wire.parse("model:2.5gbit:50us")
+    assert described["bits_per_s"] == 2.5e9 and described["latency_s"] == pytest.approx(50e-6)
+    assert described["kind"] == "model" and "not a measurement" in described["what"]
+    assert wire.parse("model:500mbit")["latency_s"] == wire.DEFAULT_LATENCY_S
+    for bad in ("model:", "model:fast", "model:1gbit:2s", "model:-1gbit", "model:1gbit:1us:2"):
+        with pytest.raises(ValueError, match="model:RATE") as e:
+            wire.parse(bad)
+        assert "\n" not in str(e.value)
+
+
+def _timed(fn, tries):
+    """Every try's seconds of `fn()`, each started together on every rank."""
+    times = []
+    for _ in range(tries):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _on_rank_timed_transfers(tries=5):
+    """Under the modeled wire: a ring step of 1 MiB, an all-gather of a 256 KiB shard, and two
+    ring steps posted together, `tries` times each: {what: (seconds of each try, model's
+    seconds, data right)}."""
+    group = dist.group.WORLD
+    p, r = dist.get_world_size(), dist.get_rank()
+    described = wire.parse(f"model:{RATE}:{LATENCY_S * 1e6:g}us")
+    send = torch.full((256 * 1024,), float(r))  # 1 MiB
+    recv, other = torch.empty_like(send), torch.empty_like(send)
+    shard = torch.full((64, 1024), float(r))  # 256 KiB
+    gathered = {}
+    for _ in range(2):  # the first transfers between two ranks set up their connection
+        Ring(group).shift(send, recv).wait()
+        all_gather_seq(shard, group)
+
+    def two_at_once():
+        first, second = Ring(group).shift(send, recv), Ring(group).shift(send, other)
+        first.wait()
+        second.wait()
+
+    with wire.modeled(described) as modeled:
+        out = {"ring step": (_timed(lambda: Ring(group).shift(send, recv).wait(), tries),
+                             modeled.delivery_s(4 * send.numel())),
+               "all-gather": (_timed(lambda: gathered.update(full=all_gather_seq(shard, group)[0]),
+                                     tries),
+                              modeled.delivery_s(4 * shard.numel() * (p - 1), p - 1)),
+               "two at once": (_timed(two_at_once, tries), modeled.delivery_s(8 * send.numel()))}
+    right = bool((recv == (r - 1) % p).all()) and bool((other == (r - 1) % p).all()) and \
+        torch.equal(gathered["full"], torch.cat([torch.full((64, 1024), float(q))
+                                                 for q in range(p)]))
+    return out, right
+
+
+def test_modeled_wire_delivers_a_known_size_at_its_model_time(pools):
+    """Never before the model's time (the host sleeps until then), and the fastest of five
+    tries within +10 % of it (a slower try is this machine's scheduler waking the sleeper late
+    under load, not the wire); two transfers posted together take twice as long, the wire
+    carrying one at a time; the bytes arrive."""
+    for rank, (cases, right) in enumerate(pools(2).run(_on_rank_timed_transfers)):
+        assert right, f"rank {rank}: wrong data"
+        for what, (times, model) in cases.items():
+            assert min(times) >= model * 0.99, f"rank {rank}, {what}: {times} before {model}"
+            assert min(times) <= model * (1 + WITHIN), (
+                f"rank {rank}, {what}: fastest of {len(times)} {min(times) * 1e3:.2f} ms against "
+                f"the model's {model * 1e3:.2f} ms (allowed {(1 + WITHIN) * model * 1e3:.2f})")
+
+
+def test_schedule_bound_of_the_ring_in_pieces():
+    c, g = 1.0, 1.0
+    # p = 2, one piece: the transfer hides under the local chunk's GEMM only.
+    assert schedule_time(c, g, 2) == pytest.approx(max(c, g / 2) + g / 2)
+    # m pieces, communication-bound: the remote chunk's GEMM waits only for its last piece.
+    for m in (2, 4, 8):
+        assert schedule_time(c, g, 2, m) == pytest.approx(c + g / (2 * m)), m
+        assert schedule_time(c, g, 2, m, "gemm first") == pytest.approx(c + g / (2 * m)), m
+    # Compute-bound: all of the communication hidden, the GEMMs alone.
+    assert schedule_time(0.2, g, 2, 4) == pytest.approx(g)
+    assert schedule_time(0.2, g, 4, 2) == pytest.approx(g)
+    # p ranks, one piece: (p - 1) steps of max(chunk GEMM, step transfer) and the last GEMM.
+    assert schedule_time(3.0, 4.0, 4) == pytest.approx(3 * max(1.0, 1.0) + 1.0)
+    assert schedule_time(6.0, 4.0, 4) == pytest.approx(3 * 2.0 + 1.0)
+
+
+def test_a_profile_on_the_modeled_wire_says_it_is_a_model(pools, tmp_path):
+    flags = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
+             "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
+             "--bench-shape", "16,2,32,64", "--timeline-iters", "1",
+             "--link", "model:4gbit", "--ring-pieces", "2"]
+    args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
+    args.argv = flags
+    assert args.modes == ["baseline", "tp", "tp_overlap"], args.modes  # DTensor: not on it
+    results = phases.run_phases(phases.PoolRunner(pools(2)), args)
+    results["meta"]["runtime_s"] = 0.0
+    summary = phases.write_outputs(results, str(tmp_path))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["link"]["kind"] == "model" and saved["meta"]["ring_pieces"] == 2
+    assert "MODEL of a 4gbit wire" in summary and "not a measurement" in summary, summary
+    assert saved["overlap_benchmark"]["shape"]["pieces"] == 2
+    for row in saved["overlap_benchmark"]["ops"].values():
+        assert row["schedule_bound_ms"] > 0 and row["overlap_over_bound"] > 0, row
