@@ -1,0 +1,495 @@
+"""A plan in PyTorch's words, carried out by this package's layers: TP + SP (+ overlap) for a
+model of your own.
+
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "transformer.h.*.ln_*": SequenceParallel(),
+        "transformer.h.*.attn.c_attn": ColwiseParallel(input_layouts=Shard(1),
+                                                       output_shape=(3, n_head, head_dim),
+                                                       split_dim=1),
+        "transformer.h.*.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        ...
+    }
+    parallelize_module(model, tp_group, plan, overlap=True)
+
+The styles have the names, arguments and meaning of `torch.distributed.tensor.parallel`'s
+(`Shard(d)` / `Replicate()` are PyTorch's placements; `Shard(d)` on an activation says which
+dim holds the sequence, split over the ranks). What each does here, p = TP size:
+
+    ColwiseParallel   nn.Linear -> ColumnParallelLinear, weight rows split.
+                      input Shard(d): all-gather the sequence, then the GEMM (parallel_linear's
+                      _AllGatherGemm, or its ring with overlap=True); backward reduce-scatter.
+                      input Replicate() (the default): `f` (copy_to_tensor_parallel_region).
+                      output Shard(-1) (default): this rank's features; Replicate(): gathered
+                      (gather_from_tensor_parallel_region; backward keeps this rank's slice).
+                      output_shape=(...), split_dim=k: the rows flatten that shape, split along
+                      dim k (a fused q|k|v is (3, heads, head_dim) split along 1).
+    RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
+                      output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
+                      or its ring); output Replicate() (default): `g`, an all-reduce.
+                      nn.Embedding -> VocabParallelEmbedding: rows split, output Shard(d) only
+                      (reduce_scatter_to_sequence_parallel_region).
+    SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
+                      parameters stay whole and their gradient is summed over the group before
+                      it is accumulated (`f`'s backward, an all-reduce, at the leaf). An
+                      nn.Dropout draws one device's whole mask and keeps this rank's slice.
+    NoParallel        parameters replicated on every rank and used on the same data (nothing
+                      to sum); it only marks them as planned (torchtitan's name).
+
+Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
+Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and
+made contiguous, as nn.Linear's would be. Dropout under SP: the masks are exactly one device's
+(every rank holds the same generator state and draws the full mask), so a TP run with dropout
+equals one device's run from the same seed; drawing p times the random numbers a rank needs is
+the price of that.
+
+Refused in one line, before any collective: a key matching no module, a module matched twice,
+a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
+would stay a per-rank tensor with a partial gradient), an nn.Dropout with p > 0 no entry
+covers, a tied weight split on one side only; at run time, before the collective, a sequence
+p does not divide (refused, not padded: padding would change the model's output shape).
+"""
+import difflib
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+from ..agreement import check_ranks_agree, module_fingerprint
+from ..comm import (all_reduce_, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+                    group_rank, group_size, reduce_from_tensor_parallel_region)
+from ..config import check_divisible
+from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..replicated_grads import check_every_option, watch_replicated_gradients
+from ..sharding import SplitView, record_layouts, shard, tensor_parallel_dim
+from ..vocab_parallel import VocabParallelEmbedding
+
+
+# ----------------------------------------------------------------------------------------------
+# The styles: what a plan says about one module
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ColwiseParallel:
+    input_layouts: object = None  # None: Replicate()
+    output_layouts: object = None  # None: Shard(-1)
+    use_local_output: bool = True  # accepted for PyTorch's sake: our outputs are plain tensors
+    output_shape: tuple = None  # the rows flatten this shape (a fused projection)
+    split_dim: int = 0  # the dim of output_shape split over the ranks
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    input_layouts: object = None  # None: Shard(-1)
+    output_layouts: object = None  # None: Replicate()
+    use_local_output: bool = True
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+
+@dataclass(frozen=True)
+class NoParallel:
+    pass
+
+
+STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel)
+
+
+def _layout(value, default):
+    value = default if value is None else value
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    return value
+
+
+def _seq_dim(layout, what, where):
+    """The sequence dim a layout names: Shard(d) -> d, Replicate() -> None."""
+    if isinstance(layout, Replicate):
+        return None
+    if isinstance(layout, Shard):
+        return layout.dim
+    raise ValueError(f"{where}: {what}={layout!r}: valid are Shard(d) (the sequence split along "
+                     f"dim d) and Replicate()")
+
+
+# ----------------------------------------------------------------------------------------------
+# The modules the styles put in place (each keeps the parameter names `weight` and `bias`)
+# ----------------------------------------------------------------------------------------------
+def _to_seq_first(x, dim, p, where):
+    """x with its sequence dim `dim` moved to the front (a view), after the checks that
+    must come before any collective."""
+    if x.dim() <= (dim if dim >= 0 else -dim - 1):
+        raise ValueError(f"{where}: input of shape {list(x.shape)} has no dim {dim} for the "
+                         f"sequence; say where the sequence is with Shard(d)")
+    return x.transpose(0, dim)
+
+
+def _check_seq(x, dim, p, where):
+    if x.shape[dim] % p:
+        raise ValueError(f"{where}: the sequence (dim {dim} of input shape {list(x.shape)}) has "
+                         f"{x.shape[dim]} positions, which the TP size {p} does not divide; "
+                         f"pad it to {x.shape[dim] + (-x.shape[dim]) % p} (labels ignored) "
+                         f"before the call: it is refused, not padded")
+
+
+class PlannedColumn(ColumnParallelLinear):
+    """ColumnParallelLinear that reads and writes the user's layout (see ColwiseParallel)."""
+
+    def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
+                 split_dim, where):
+        super().__init__(linear.in_features, output_shape or linear.out_features,
+                         tp_group=tp_group, bias=linear.bias is not None, overlap=overlap,
+                         split_dim=split_dim, device=linear.weight.device,
+                         dtype=linear.weight.dtype, standalone=False)
+        self.input_dim, self.gather_output, self.where = input_dim, gather_output, where
+
+    def forward(self, x):
+        if self.input_dim is None:  # the whole input on every rank: classic TP
+            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
+            x = _to_seq_first(x, self.input_dim, self.tp_size, self.where)
+            y = super().forward(x).transpose(0, self.input_dim).contiguous()
+        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class PlannedRow(RowParallelLinear):
+    """RowParallelLinear that reads and writes the user's layout (see RowwiseParallel)."""
+
+    def __init__(self, linear, tp_group, overlap, output_dim, where):
+        super().__init__(linear.in_features, linear.out_features, tp_group=tp_group,
+                         bias=linear.bias is not None, overlap=overlap,
+                         device=linear.weight.device, dtype=linear.weight.dtype, standalone=False)
+        self.output_dim, self.where = output_dim, where
+
+    def forward(self, x):
+        if self.output_dim is None:  # `g`: every rank gets the whole sum, then the bias once
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+            return y if self.bias is None else y + self.bias
+        x = _to_seq_first(x, self.output_dim, self.tp_size, self.where)
+        _check_seq(x, 0, self.tp_size, self.where)
+        return super().forward(x).transpose(0, self.output_dim).contiguous()
+
+
+class PlannedEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel)."""
+
+    def __init__(self, embedding, tp_group, output_dim, where):
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group,
+                         device=embedding.weight.device, dtype=embedding.weight.dtype,
+                         standalone=False)
+        self.output_dim, self.where = output_dim, where
+
+    def forward(self, ids):
+        ids = _to_seq_first(ids, self.output_dim, group_size(self.tp_group), self.where)
+        _check_seq(ids, 0, group_size(self.tp_group), self.where)
+        return super().forward(ids).transpose(0, self.output_dim).contiguous()
+
+
+class SequenceParallelDropout(nn.Module):
+    """Dropout on this rank's slice (along `dim`) of a tensor p times as long there, with the
+    mask one device would draw for the whole tensor: every rank draws it (same generator state)
+    and keeps its slice, so ranks mask different rows differently and equal one device."""
+
+    def __init__(self, p, dim, tp_group):
+        super().__init__()
+        self.p, self.dim, self.tp_group = p, dim, tp_group
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        n = group_size(self.tp_group)
+        full = list(x.shape)
+        full[self.dim] *= n
+        mask = F.dropout(x.new_ones(full), self.p, training=True)  # 0 or 1/(1-p), one device's
+        return x * mask.chunk(n, dim=self.dim)[group_rank(self.tp_group)]
+
+    def extra_repr(self):
+        return f"p={self.p}, sequence_dim={self.dim}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a plan
+# ----------------------------------------------------------------------------------------------
+def matching_modules(module, key, prefix=""):
+    """[(name, module)] that `key` names, read as PyTorch's parallelize_module reads it: the
+    key split at dots, each token matched with fnmatch against the children's names at its
+    depth ("h.*.attn" is every child of h, then its `attn`); "" is `module` itself."""
+    if key == "":
+        return [(prefix, module)]
+    token, _, rest = key.partition(".")
+    found = []
+    for name, child in module.named_children():
+        if fnmatch.fnmatch(name, token):
+            full = f"{prefix}.{name}" if prefix else name
+            found += matching_modules(child, rest, full) if rest else [(full, child)]
+    return found
+
+
+def _check_style(name, module, style, p):
+    """One line for anything `style` cannot do to `module` over p ranks."""
+    where = f"{type(style).__name__} at {name!r}"
+    if name == "" and (isinstance(style, (ColwiseParallel, RowwiseParallel)) or
+                       isinstance(module, nn.Dropout)):
+        raise ValueError(f"{where}: a style that replaces the module cannot apply to the root "
+                         f"itself; plan its layers by name")
+    if isinstance(style, ColwiseParallel):
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{where}: {type(module).__name__} cannot be split by columns here; "
+                             f"ColwiseParallel takes an nn.Linear")
+        _seq_dim(_layout(style.input_layouts, Replicate()), "input_layouts", where)
+        out = _layout(style.output_layouts, Shard(-1))
+        if not (isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim == -1)):
+            raise ValueError(f"{where}: output_layouts={out!r}: valid are Shard(-1) (this "
+                             f"rank's features) and Replicate() (gathered)")
+        if style.output_shape is None:
+            if style.split_dim:
+                raise ValueError(f"{where}: split_dim={style.split_dim} without output_shape; "
+                                 f"give output_shape, or leave split_dim at 0")
+            check_divisible(f"{where}: out_features", module.out_features, p)
+            return
+        shape = tuple(style.output_shape)
+        if math.prod(shape) != module.out_features:
+            raise ValueError(f"{where}: output_shape={shape} holds {math.prod(shape)} rows, the "
+                             f"layer has out_features={module.out_features}")
+        if not 0 <= style.split_dim < len(shape):
+            raise ValueError(f"{where}: split_dim={style.split_dim}: valid are 0..{len(shape) - 1}")
+        if shape[style.split_dim] % p:
+            raise ValueError(f"{where}: output_shape={shape} split along dim {style.split_dim}: "
+                             f"{shape[style.split_dim]} is not divisible by the TP size {p}")
+        if isinstance(out, Replicate):
+            raise ValueError(f"{where}: output_layouts=Replicate() with an output_shape: the "
+                             f"gathered rows would be in rank order, not the layer's")
+    elif isinstance(style, RowwiseParallel):
+        inp = _layout(style.input_layouts, Shard(-1) if isinstance(module, nn.Linear)
+                      else Replicate())
+        out = _seq_dim(_layout(style.output_layouts, Replicate()), "output_layouts", where)
+        if isinstance(module, nn.Linear):
+            if not (isinstance(inp, Shard) and inp.dim == -1):
+                raise ValueError(f"{where}: input_layouts={inp!r}: a row-parallel Linear takes "
+                                 f"this rank's features, Shard(-1)")
+            check_divisible(f"{where}: in_features", module.in_features, p)
+        elif isinstance(module, nn.Embedding):
+            if not isinstance(inp, Replicate) or out is None:
+                raise ValueError(f"{where}: an nn.Embedding takes the whole ids (input_layouts="
+                                 f"Replicate()) and returns this rank's sequence rows "
+                                 f"(output_layouts=Shard(d)); other layouts are not implemented")
+            if module.padding_idx is not None or module.max_norm is not None:
+                raise ValueError(f"{where}: padding_idx / max_norm are not supported")
+            check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
+        else:
+            raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
+                             f"RowwiseParallel takes an nn.Linear or an nn.Embedding")
+    elif isinstance(style, SequenceParallel) and isinstance(module, nn.Dropout) and \
+            style.sequence_dim < 0:
+        raise ValueError(f"{where}: sequence_dim={style.sequence_dim}: give it as a dim >= 0")
+
+
+def _check_covered(module, matched):
+    """Every parameter must be split by a style or kept whole by one (named per module)."""
+    whole = [name for name, (_, style) in matched.items()
+             if isinstance(style, (SequenceParallel, NoParallel))]
+    for name, mod in module.named_modules():
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if not own:
+            continue
+        style = matched.get(name, (None, None))[1]
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        if any(name == w or name.startswith(w + ".") or w == "" for w in whole):
+            continue
+        label = f"{name}.{own[0]}" if name else own[0]
+        raise ValueError(
+            f"parameter {label!r} ({type(mod).__name__} at {name!r}) is neither split nor kept "
+            f"whole by the plan: it would stay a per-rank tensor with a partial gradient; give "
+            f"{name!r} a ColwiseParallel / RowwiseParallel entry, SequenceParallel if it acts on "
+            f"this rank's rows, or NoParallel if it sees the same data on every rank")
+
+
+def _check_dropouts(module, matched):
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Dropout) and mod.p > 0 and name not in matched:
+            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: every rank "
+                             f"would draw the same mask for different rows; give it "
+                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks")
+
+
+def resolve_plan(module, plan, p):
+    """{module name: (module, style)} for `plan`, every check made (no communication)."""
+    if not isinstance(plan, dict):
+        raise ValueError(f"plan must be a dict {{module name pattern: style}}, got "
+                         f"{type(plan).__name__}")
+    names = [n for n, _ in module.named_modules() if n]
+    matched = {}
+    for key, style in plan.items():
+        if not isinstance(style, STYLES):
+            cls = type(style)
+            hint = (f"; use tensor_parallel_toy.apply.{cls.__name__} (same arguments)"
+                    if cls.__name__ in {s.__name__ for s in STYLES} else "")
+            raise ValueError(f"plan[{key!r}] is a {cls.__module__}.{cls.__name__}: valid are "
+                             f"{', '.join(s.__name__ for s in STYLES)}{hint}")
+        found = matching_modules(module, key)
+        if not found:
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+            raise ValueError(f"plan key {key!r} matches no module of {type(module).__name__}"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its children are {[n for n, _ in module.named_children()]}"))
+        for name, mod in found:
+            if name in matched:
+                raise ValueError(f"module {name!r} is matched by two plan keys, "
+                                 f"{matched[name][2]!r} and {key!r}; keep one")
+            _check_style(name, mod, style, p)
+            matched[name] = (mod, style, key)
+    matched = {name: (mod, style) for name, (mod, style, _) in matched.items()}
+    _check_covered(module, matched)
+    _check_dropouts(module, matched)
+    return matched
+
+
+# ----------------------------------------------------------------------------------------------
+# Carrying it out
+# ----------------------------------------------------------------------------------------------
+def _sum_over(group):
+    # f's backward at the leaf: this backward's partial gradient summed over the group.
+    return lambda grad: all_reduce_(grad.clone(), group)
+
+
+def _replacement(name, mod, style, group, overlap):
+    """The module that takes `mod`'s place (or `mod` itself, changed in place)."""
+    where = f"{type(style).__name__} at {name!r}"
+    if isinstance(style, ColwiseParallel):
+        out = _layout(style.output_layouts, Shard(-1))
+        return PlannedColumn(mod, group, overlap,
+                             _seq_dim(_layout(style.input_layouts, Replicate()), "", where),
+                             isinstance(out, Replicate), style.output_shape, style.split_dim,
+                             where)
+    if isinstance(style, RowwiseParallel):
+        out = _seq_dim(_layout(style.output_layouts, Replicate()), "", where)
+        if isinstance(mod, nn.Embedding):
+            return PlannedEmbedding(mod, group, out, where)
+        return PlannedRow(mod, group, overlap, out, where)
+    if isinstance(style, SequenceParallel):
+        if isinstance(mod, nn.Dropout):
+            return SequenceParallelDropout(mod.p, style.sequence_dim, group)
+        for param in mod.parameters():
+            param.register_hook(_sum_over(group))
+    return mod
+
+
+def _set_module(root, name, new):
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
+@torch.no_grad()
+def _copy_shards(old, new, group, shared):
+    """Each of `new`'s parameters gets this rank's shard of `old`'s; a parameter `old` shares
+    with a module converted before (a tied weight) becomes the same Parameter again."""
+    for pname, param in list(new.named_parameters(recurse=False)):
+        full = getattr(old, pname)
+        if id(full) in shared:
+            twin, twin_name = shared[id(full)]
+            if twin.shape != param.shape or tensor_parallel_dim(twin) != tensor_parallel_dim(param):
+                raise ValueError(f"{twin_name} and {new.where}.{pname} are one tied weight split "
+                                 f"two ways ({list(twin.shape)} and {list(param.shape)}); split "
+                                 f"both the same way (e.g. both by vocabulary rows)")
+            setattr(new, pname, twin)
+            continue
+        param.copy_(shard(full.detach(), param, group))
+        shared[id(full)] = (param, f"{new.where}.{pname}")
+
+
+def _check_ties(module, matched):
+    """A weight shared with a module the plan splits must be split there too."""
+    split = {id(p) for name, (mod, style) in matched.items()
+             if isinstance(style, (ColwiseParallel, RowwiseParallel)) for p in mod.parameters()}
+    for name, mod in module.named_modules():
+        style = matched.get(name, (None, None))[1]
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for pname, param in mod.named_parameters(recurse=False):
+            if id(param) in split:
+                raise ValueError(f"{name}.{pname} is tied to a weight the plan splits, but "
+                                 f"{name!r} is not split the same way; plan it too")
+
+
+def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicated_grads=None):
+    """Carry out `plan` ({module name pattern: style}) on `module`, in place, over `tp_group`;
+    returns `module`. Every rank must hold the same full weights beforehand (same seed or
+    checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
+    use the ring (parallel_linear.py). `check_replicated_grads` ("first" or N; None: off)
+    checks after backward that every parameter kept whole has the same gradient on every rank.
+
+    Everything is checked before any communication (see the module docstring); then the ranks
+    compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
+    all-gather, so ranks holding different weights or plans are refused on every rank.
+    """
+    check_every_option(check_replicated_grads)
+    p = group_size(tp_group)
+    matched = resolve_plan(module, plan, p)
+    _check_ties(module, matched)
+    values = {f"sum:{n}": repr(t.detach().double().sum().item())
+              for n, t in module.named_parameters()}
+    check_ranks_agree(module_fingerprint(module, plan=repr(sorted(plan.items(), key=repr)),
+                                         overlap=overlap, tp_size=p, **values,
+                                         check_replicated_grads=check_replicated_grads),
+                      tp_group, "models or plans for parallelize_module")
+    shared = {}
+    for name, (mod, style) in matched.items():
+        new = _replacement(name, mod, style, tp_group, overlap)
+        if new is not mod:
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                _copy_shards(mod, new, tp_group, shared)
+            _set_module(module, name, new)
+    record_layouts(module)
+    module.replicated_grads_watch = watch_replicated_gradients(module, tp_group,
+                                                               check_replicated_grads)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# The same plan in PyTorch's own classes
+# ----------------------------------------------------------------------------------------------
+def torch_plan(plan):
+    """`plan` with each style replaced by PyTorch's class of the same name and arguments, for
+    `torch.distributed.tensor.parallel.parallelize_module`. PyTorch has no output_shape: a
+    ColwiseParallel with one splits the rows contiguously there, which equals ours only on a
+    weight whose rows were laid out rank by rank first (`rank_major_rows`). SequenceParallel
+    returns a local tensor there too (use_local_output=True), as ours does; NoParallel entries
+    are left out (PyTorch keeps such a module as it is)."""
+    from torch.distributed.tensor import parallel as tp
+
+    out = {}
+    for key, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            out[key] = tp.ColwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, RowwiseParallel):
+            out[key] = tp.RowwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, SequenceParallel):
+            out[key] = tp.SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=True)
+    return out
+
+
+def rank_major_rows(style, p):
+    """The order of a full weight's rows under which PyTorch's contiguous row split gives rank r
+    exactly the rows `style` (a ColwiseParallel with output_shape) gives it here: `w[order]`
+    for PyTorch, and `grad[order.argsort()]` back. The identity without an output_shape."""
+    if style.output_shape is None:
+        return None
+    view = SplitView(tuple(style.output_shape), style.split_dim)
+    return torch.cat([view.rows(r, p) for r in range(p)])
+
+
+__all__ = ["ColwiseParallel", "NoParallel", "RowwiseParallel", "SequenceParallel",
+           "matching_modules", "parallelize_module", "rank_major_rows", "resolve_plan",
+           "torch_plan"]
