@@ -122,21 +122,19 @@ def _seq_dim(layout, what, where):
 # ----------------------------------------------------------------------------------------------
 # The modules the styles put in place (each keeps the parameter names `weight` and `bias`)
 # ----------------------------------------------------------------------------------------------
-def _to_seq_first(x, dim, p, where):
-    """x with its sequence dim `dim` moved to the front (a view), after the checks that
-    must come before any collective."""
+def _to_seq_first(x, dim, p, where, whole=False):
+    """x with its sequence dim `dim` moved to the front (a view), after the checks that must
+    come before any collective (`whole`: x holds the whole sequence, which p must divide)."""
     if x.dim() <= (dim if dim >= 0 else -dim - 1):
         raise ValueError(f"{where}: input of shape {list(x.shape)} has no dim {dim} for the "
                          f"sequence; say where the sequence is with Shard(d)")
-    return x.transpose(0, dim)
-
-
-def _check_seq(x, dim, p, where):
-    if x.shape[dim] % p:
+    n = x.shape[dim]
+    if whole and n % p:
         raise ValueError(f"{where}: the sequence (dim {dim} of input shape {list(x.shape)}) has "
-                         f"{x.shape[dim]} positions, which the TP size {p} does not divide; "
-                         f"pad it to {x.shape[dim] + (-x.shape[dim]) % p} (labels ignored) "
-                         f"before the call: it is refused, not padded")
+                         f"{n} positions, which the TP size {p} does not divide; pad it to "
+                         f"{n + (-n) % p} (labels ignored) before the call: it is refused, not "
+                         f"padded")
+    return x.transpose(0, dim)
 
 
 class PlannedColumn(ColumnParallelLinear):
@@ -172,8 +170,7 @@ class PlannedRow(RowParallelLinear):
         if self.output_dim is None:  # `g`: every rank gets the whole sum, then the bias once
             y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
             return y if self.bias is None else y + self.bias
-        x = _to_seq_first(x, self.output_dim, self.tp_size, self.where)
-        _check_seq(x, 0, self.tp_size, self.where)
+        x = _to_seq_first(x, self.output_dim, self.tp_size, self.where, whole=True)
         return super().forward(x).transpose(0, self.output_dim).contiguous()
 
 
@@ -187,8 +184,8 @@ class PlannedEmbedding(VocabParallelEmbedding):
         self.output_dim, self.where = output_dim, where
 
     def forward(self, ids):
-        ids = _to_seq_first(ids, self.output_dim, group_size(self.tp_group), self.where)
-        _check_seq(ids, 0, group_size(self.tp_group), self.where)
+        ids = _to_seq_first(ids, self.output_dim, group_size(self.tp_group), self.where,
+                            whole=True)
         return super().forward(ids).transpose(0, self.output_dim).contiguous()
 
 
