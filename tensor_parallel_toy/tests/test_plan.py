@@ -191,3 +191,33 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
     for rank, messages in enumerate(pools(2).run(_on_rank_refusals)):
         for key, message in messages.items():
             assert_one_line(message, words[key], f"rank {rank}, {key}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The classic opt-in (apply_tensor_parallel) on the same model: a fused c_attn needs its shape
+# ----------------------------------------------------------------------------------------------
+def _on_rank_classic_opt_in(declare_shape):
+    from tensor_parallel_toy.classic_tp import apply_tensor_parallel
+
+    config = ex.CONFIG
+
+    def opt_in(model, group):
+        for block in model.transformer.h:
+            block.attn.tp_column, block.attn.tp_row = "c_attn", "c_proj"
+            block.mlp.tp_column, block.mlp.tp_row = "c_fc", "c_proj"
+            if declare_shape:
+                hd = config.n_embd // config.n_head
+                block.attn.tp_column_shapes = {"c_attn": ((3, config.n_head, hd), 1)}
+        return apply_tensor_parallel(model, group, check_replicated_grads="first")
+
+    report = compare_with_one_device(lambda: ex.GPT(config), opt_in, ex.batch_of(0),
+                                     ex.gpt_loss)
+    return {"ok": report.ok, "text": str(report), "failures": report.failures}
+
+
+def test_classic_opt_in_is_exact_with_a_declared_shape_and_reported_without(pools):
+    for declare_shape in (True, False):
+        for r in pools(2).run(_on_rank_classic_opt_in, declare_shape):
+            assert r["ok"] == declare_shape, r["text"]
+            if not declare_shape:
+                assert "c_attn" in r["failures"][0], r["text"]
