@@ -73,8 +73,9 @@ class Comparison:
             return "\n".join(lines)
         lines.append(f"{len(self.failures)} of {len(self.errors)} differ from one device's; "
                      f"worst: {self.failures[0]}")
-        suspects = [n for n in self.plain_column_layers
-                    if any(f.startswith(n + ".") for f in self.failures)]
+        worst = {n: max((self.errors[f] for f in self.failures if f.startswith(n + ".")),
+                        default=None) for n in self.plain_column_layers}
+        suspects = sorted((n for n, e in worst.items() if e is not None), key=lambda n: -worst[n])
         if suspects:
             lines.append(f"split as plain rows: {', '.join(suspects)}; if one's output is "
                          f"several tensors side by side (a fused q|k|v, gate|up), declare it "
