@@ -35,6 +35,12 @@ dim holds the sequence, split over the ranks). What each does here, p = TP size:
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
     NoParallel        parameters replicated on every rank and used on the same data (nothing
                       to sum); it only marks them as planned (torchtitan's name).
+    PrepareModuleInput / PrepareModuleOutput  a module's inputs / outputs moved between layouts:
+                      Shard(d) -> Replicate(): all-gather along d, backward this rank's slice
+                      (the gradient of replicated code is whole on every rank: a column layer
+                      behind it takes it through `f`); Replicate() -> Shard(d): this rank's
+                      slice, backward all-gather. E.g. an attention that reads T from its input
+                      gets the whole sequence; its column layers then take Replicate() input.
 
 Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
 Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and
@@ -60,8 +66,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from ..agreement import check_ranks_agree, module_fingerprint
-from ..comm import (all_reduce_, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                    group_rank, group_size, reduce_from_tensor_parallel_region)
+from ..comm import (all_gather_seq, all_reduce_, copy_to_tensor_parallel_region,
+                    gather_from_tensor_parallel_region, group_rank, group_size,
+                    reduce_from_tensor_parallel_region)
 from ..config import check_divisible
 from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..replicated_grads import check_every_option, watch_replicated_gradients
@@ -99,7 +106,24 @@ class NoParallel:
     pass
 
 
-STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel)
+@dataclass(frozen=True)
+class PrepareModuleInput:
+    input_layouts: object = None  # one layout per positional input (None: not a tensor)
+    desired_input_layouts: object = None
+    input_kwarg_layouts: dict = None
+    desired_input_kwarg_layouts: dict = None
+    use_local_output: bool = False
+
+
+@dataclass(frozen=True)
+class PrepareModuleOutput:
+    output_layouts: object = None
+    desired_output_layouts: object = None
+    use_local_output: bool = True
+
+
+STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
+          PrepareModuleOutput)
 
 
 def _layout(value, default):
@@ -211,6 +235,97 @@ class SequenceParallelDropout(nn.Module):
         return f"p={self.p}, sequence_dim={self.dim}"
 
 
+class _GatherSequence(torch.autograd.Function):
+    """forward: all-gather along the sequence dim `dim` ([.., s/p, ..] -> [.., s, ..] on every
+    rank); backward: this rank's slice of the gradient. Conjugate of _SplitSequence.
+
+    Into a replicated region (PrepareModuleInput / PrepareModuleOutput, Shard(d) ->
+    Replicate()): what follows computes the same thing from the same data on every rank, or
+    sums its partial gradients itself (a column layer's `f`), so the gradient that comes back
+    is whole and the same everywhere, and each rank keeps its own rows of it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        full, _ = all_gather_seq(x.transpose(0, dim), group)
+        return full.transpose(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, p = group_rank(ctx.group), group_size(ctx.group)
+        return grad.chunk(p, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """forward: this rank's slice along the sequence dim `dim` (no communication); backward:
+    all-gather of the slices' gradients, the whole gradient of the replicated input, the same
+    on every rank. Conjugate of _GatherSequence (Replicate() -> Shard(d))."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        rank, p = group_rank(group), group_size(group)
+        return x.chunk(p, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, _ = all_gather_seq(grad.transpose(0, ctx.dim), ctx.group)
+        return full.transpose(0, ctx.dim).contiguous(), None, None
+
+
+def _redistribute(x, have, want, group, where):
+    """x from layout `have` to `want`: Shard(d) <-> Replicate() along the sequence dim d."""
+    if have is None or want is None or have == want or not torch.is_tensor(x) or \
+            group_size(group) == 1:
+        return x
+    if isinstance(have, Shard) and isinstance(want, Replicate):
+        _to_seq_first(x, have.dim, group_size(group), where)
+        return _GatherSequence.apply(x, have.dim, group)
+    _to_seq_first(x, want.dim, group_size(group), where, whole=True)
+    return _SplitSequence.apply(x, want.dim, group)
+
+
+def _pairs(have, want, where):
+    """The layouts as two equally long tuples, each pair one the functions above move between."""
+    have = have if isinstance(have, (tuple, list)) else (have,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    if len(have) != len(want):
+        raise ValueError(f"{where}: {len(have)} layouts given, {len(want)} desired; give one "
+                         f"per input (None where it is not a tensor)")
+    for a, b in zip(have, want):
+        if (a is None) != (b is None) or not (a == b or {type(a), type(b)} == {Shard, Replicate}
+                                              or a is None):
+            raise ValueError(f"{where}: {a!r} -> {b!r}: valid moves are Shard(d) -> Replicate() "
+                             f"(all-gather) and Replicate() -> Shard(d) (this rank's slice)")
+    return tuple(have), tuple(want)
+
+
+def _prepare(style, group, where):
+    """The hook functions of a PrepareModuleInput / PrepareModuleOutput."""
+    if isinstance(style, PrepareModuleOutput):
+        have, want = _pairs(style.output_layouts, style.desired_output_layouts, where)
+
+        def output_hook(module, args, output):
+            single = not isinstance(output, tuple)
+            moved = tuple(_redistribute(x, a, b, group, where)
+                          for x, a, b in zip((output,) if single else output, have, want))
+            return moved[0] if single else moved
+        return output_hook
+    have, want = _pairs(style.input_layouts, style.desired_input_layouts, where)
+    kw_have = style.input_kwarg_layouts or {}
+    kw_want = style.desired_input_kwarg_layouts or {}
+    _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
+
+    def input_hook(module, args, kwargs):
+        args = tuple(_redistribute(x, a, b, group, where) for x, a, b in zip(args, have, want)) \
+            + tuple(args[len(have):])
+        kwargs = {k: _redistribute(v, kw_have.get(k), kw_want.get(k), group, where)
+                  for k, v in kwargs.items()}
+        return args, kwargs
+    return input_hook
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading a plan
 # ----------------------------------------------------------------------------------------------
@@ -283,6 +398,12 @@ def _check_style(name, module, style, p):
         else:
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
                              f"RowwiseParallel takes an nn.Linear or an nn.Embedding")
+    elif isinstance(style, PrepareModuleOutput):
+        _pairs(style.output_layouts, style.desired_output_layouts, where)
+    elif isinstance(style, PrepareModuleInput):
+        _pairs(style.input_layouts, style.desired_input_layouts, where)
+        kw_have, kw_want = style.input_kwarg_layouts or {}, style.desired_input_kwarg_layouts or {}
+        _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
     elif isinstance(style, SequenceParallel) and isinstance(module, nn.Dropout) and \
             style.sequence_dim < 0:
         raise ValueError(f"{where}: sequence_dim={style.sequence_dim}: give it as a dim >= 0")
@@ -371,6 +492,10 @@ def _replacement(name, mod, style, group, overlap):
         if isinstance(mod, nn.Embedding):
             return PlannedEmbedding(mod, group, out, where)
         return PlannedRow(mod, group, overlap, out, where)
+    if isinstance(style, PrepareModuleInput):
+        mod.register_forward_pre_hook(_prepare(style, group, where), with_kwargs=True)
+    if isinstance(style, PrepareModuleOutput):
+        mod.register_forward_hook(_prepare(style, group, where))
     if isinstance(style, SequenceParallel):
         if isinstance(mod, nn.Dropout):
             return SequenceParallelDropout(mod.p, style.sequence_dim, group)
@@ -474,6 +599,18 @@ def torch_plan(plan):
                                           use_local_output=style.use_local_output)
         elif isinstance(style, SequenceParallel):
             out[key] = tp.SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=True)
+        elif isinstance(style, PrepareModuleInput):
+            out[key] = tp.PrepareModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                use_local_output=style.use_local_output)
+        elif isinstance(style, PrepareModuleOutput):
+            out[key] = tp.PrepareModuleOutput(
+                output_layouts=style.output_layouts,
+                desired_output_layouts=style.desired_output_layouts,
+                use_local_output=style.use_local_output)
     return out
 
 
@@ -487,6 +624,7 @@ def rank_major_rows(style, p):
     return torch.cat([view.rows(r, p) for r in range(p)])
 
 
-__all__ = ["ColwiseParallel", "NoParallel", "RowwiseParallel", "SequenceParallel",
+__all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "RowwiseParallel", "SequenceParallel",
            "matching_modules", "parallelize_module", "rank_major_rows", "resolve_plan",
            "torch_plan"]

@@ -17,8 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tensor_parallel_toy.apply import (ColwiseParallel, NoParallel, RowwiseParallel,
-                                       SequenceParallel, compare_with_one_device,
+from tensor_parallel_toy.apply import (ColwiseParallel, NoParallel, PrepareModuleInput,
+                                       PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                       compare_with_one_device,
                                        matching_modules, parallelize_module, torch_plan)
 from tensor_parallel_toy.examples import nanogpt_tp as ex
 from tensor_parallel_toy.sharding import shard
@@ -26,9 +27,22 @@ from tensor_parallel_toy.sharding import shard
 from .helpers import FP32_TOL, assert_errors, assert_one_line, max_rel_error, value_error_messages
 
 
+class Mix(nn.Module):
+    """A block that reads the whole sequence (PrepareModuleInput gathers it), a classic
+    column / row pair inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(10, 6), nn.Linear(6, 10)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 class EveryStyle(nn.Module):
-    """Embedding -> (norm -> column -> GELU -> row) residual -> norm -> head gathered ->
-    classic column / row pair on the gathered logits. Batch-first, [b, t, ...]."""
+    """Embedding -> (norm -> column -> GELU -> row) residual -> (norm -> gathered block)
+    residual -> norm -> head gathered -> classic column / row pair on the gathered logits ->
+    a replicated layer -> split again, a norm, gathered. Batch-first, [b, t, ...]."""
 
     def __init__(self):
         super().__init__()
@@ -36,11 +50,15 @@ class EveryStyle(nn.Module):
         self.norm = nn.LayerNorm(10)
         self.up = nn.Linear(10, 18)
         self.down = nn.Linear(18, 10)
+        self.norm3 = nn.LayerNorm(10)
+        self.mix = Mix()
         self.norm2 = nn.LayerNorm(10)
         self.head = nn.Linear(10, 12, bias=False)
         self.fc1 = nn.Linear(12, 6)
         self.fc2 = nn.Linear(6, 5)
         self.out = nn.Linear(5, 3)  # after the sum: the same data on every rank
+        self.tail = nn.Sequential(nn.LayerNorm(3))
+        self.gather = nn.Identity()
         with torch.no_grad():
             for p in self.parameters():
                 p.normal_(0.0, 0.5)
@@ -48,8 +66,9 @@ class EveryStyle(nn.Module):
     def forward(self, ids):
         x = self.emb(ids)
         x = x + self.down(F.gelu(self.up(self.norm(x))))
+        x = x + self.mix(self.norm3(x))
         logits = self.head(self.norm2(x))
-        return self.out(self.fc2(F.relu(self.fc1(logits))))
+        return self.gather(self.tail(self.out(self.fc2(F.relu(self.fc1(logits))))))
 
 
 EVERY_STYLE_PLAN = {
@@ -61,6 +80,12 @@ EVERY_STYLE_PLAN = {
     "fc1": ColwiseParallel(),
     "fc2": RowwiseParallel(),
     "out": NoParallel(),
+    "mix": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mix.a": ColwiseParallel(),
+    "mix.b": RowwiseParallel(output_layouts=Shard(1)),
+    "tail": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),
+    "tail.0": SequenceParallel(),
+    "gather": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
 }
 
 
