@@ -3,6 +3,7 @@
 The library is this folder; `profiling/` is the harness behind `python -m tensor_parallel_toy
 profile`, and `tests/` the specification. Arrows run only from those two into the library.
 """
+from .apply import compare_with_one_device, parallelize_module
 from .classic_tp import apply_tensor_parallel, sync_replicated_gradients
 from .config import ModelConfig, RopeScaling
 from .dtensor_tp import parallelize_hf_model
@@ -15,6 +16,7 @@ from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RopeScaling", "RowParallelLinear",
            "Transformer", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "column_parallel_linear", "from_hf", "grad_norm", "parallelize_hf_model",
+           "column_parallel_linear", "compare_with_one_device", "from_hf", "grad_norm",
+           "parallelize_hf_model", "parallelize_module",
            "row_parallel_linear", "sync_replicated_gradients", "to_hf",
            "vocab_parallel_cross_entropy"]
