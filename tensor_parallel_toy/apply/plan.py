@@ -47,7 +47,8 @@ Shard(1): each layer's input is transposed to sequence-first (a view), and its o
 made contiguous, as nn.Linear's would be. Dropout under SP: the masks are exactly one device's
 (every rank holds the same generator state and draws the full mask), so a TP run with dropout
 equals one device's run from the same seed; drawing p times the random numbers a rank needs is
-the price of that.
+the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
+regions: cheaper, different masks per rank too, but no longer one device's run.)
 
 Refused in one line, before any collective: a key matching no module, a module matched twice,
 a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
@@ -78,6 +79,7 @@ from .layers import (PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParall
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ColwiseParallel:
+    """An nn.Linear's output features split over the ranks (PlannedColumn)."""
     input_layouts: object = None  # None: Replicate()
     output_layouts: object = None  # None: Shard(-1)
     use_local_output: bool = True  # accepted for PyTorch's sake: our outputs are plain tensors
@@ -87,6 +89,7 @@ class ColwiseParallel:
 
 @dataclass(frozen=True)
 class RowwiseParallel:
+    """An nn.Linear's input features (or an nn.Embedding's rows) split (PlannedRow / Embedding)."""
     input_layouts: object = None  # None: Shard(-1)
     output_layouts: object = None  # None: Replicate()
     use_local_output: bool = True
@@ -94,17 +97,20 @@ class RowwiseParallel:
 
 @dataclass(frozen=True)
 class SequenceParallel:
+    """A module on this rank's part of dim `sequence_dim`, its parameters whole, their
+    gradients summed over the group; a dropout's mask one device's."""
     sequence_dim: int = 1
     use_local_output: bool = False
 
 
 @dataclass(frozen=True)
 class NoParallel:
-    pass
+    """A module whose parameters every rank holds whole and uses on the same data."""
 
 
 @dataclass(frozen=True)
 class PrepareModuleInput:
+    """A module's inputs moved from their layouts to the desired ones (Shard(d) <-> Replicate())."""
     input_layouts: object = None  # one layout per positional input (None: not a tensor)
     desired_input_layouts: object = None
     input_kwarg_layouts: dict = None
@@ -114,6 +120,7 @@ class PrepareModuleInput:
 
 @dataclass(frozen=True)
 class PrepareModuleOutput:
+    """A module's outputs moved from their layouts to the desired ones."""
     output_layouts: object = None
     desired_output_layouts: object = None
     use_local_output: bool = True

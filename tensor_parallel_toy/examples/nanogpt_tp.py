@@ -7,11 +7,14 @@ The model below is plain PyTorch (token and learned position embeddings, LayerNo
 a fused `c_attn`, GELU MLP, dropout, the head tied to the token embedding). `make_plan` splits
 it. The model makes two concessions: it counts its heads with -1 in its views (each rank holds
 n_head / p of them), and attention reads T from c_attn's output, not from its input (under SP
-the input holds this rank's T/p positions; c_attn gathers the sequence). The run checks, on every rank: every gradient and the loss
-against the same model on one device (`compare_with_one_device`), then a few training steps,
-each step's loss against one device's, and the same plan carried out by PyTorch's own
-`parallelize_module` (DTensor), its loss and every gradient against ours. Prints what it found;
-exits non-zero when anything differs.
+the input holds this rank's T/p positions; c_attn gathers the sequence; a block that must read
+its whole input can have it gathered by `PrepareModuleInput`).
+
+The run checks, on every rank: every gradient and the loss against the same model on one
+device (`compare_with_one_device`), then a few training steps with dropout, each step's loss
+against one device's, and the same plan carried out by PyTorch's own `parallelize_module`
+(DTensor), its loss and every gradient against ours. Prints what it found; exits non-zero when
+anything differs.
 """
 import copy
 import dataclasses

@@ -216,7 +216,8 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
     words = {
         "missing": ["'transformer.ln_f.weight'", "neither split nor kept whole"],
         "misspelt": ["'transformer.h.*.atn.c_proj'", "matches no module"],
-        "odd sequence": ["'transformer.wte'", "dim 1 of input shape [2, 7]", "7 positions", "TP size 2", "pad it to 8", "refused, not padded"],
+        "odd sequence": ["'transformer.wte'", "dim 1 of input shape [2, 7]", "7 positions",
+                         "TP size 2", "pad it to 8", "refused, not padded"],
         "dropout": ["'transformer.h.0.mlp.dropout'", "SequenceParallel"],
         "torch style": ["torch.distributed.tensor.parallel", "tensor_parallel_toy.apply"],
         "tie split once": ["lm_head.weight", "tied"],
