@@ -201,8 +201,9 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
     up, feeding one row layer). A column layer whose output is several tensors side by side (a
     fused q|k|v) needs `tp_column_shapes` (module docstring): as plain rows it is split wrong.
     The whole model is checked before anything changes, and before any communication, so a bad
-    layer is one ValueError on every rank with no rank left in a collective. Every rank must hold the same weights beforehand (same seed or same
-    checkpoint): each keeps its slice of them. Returns the model.
+    layer is one ValueError on every rank with no rank left in a collective. Every rank must
+    hold the same weights beforehand (same seed or same checkpoint): each keeps its slice of
+    them. Returns the model.
 
     `check_replicated_grads` ("first", or N for every N-th backward; None: off) checks at the
     end of a backward through `model` that every parameter left whole has the same gradient on
