@@ -274,6 +274,14 @@ def _check_covered(module, matched):
     """Every parameter must be split by a style or kept whole by one (named per module)."""
     whole = [name for name, (_, style) in matched.items()
              if isinstance(style, (SequenceParallel, NoParallel))]
+    split = [name for name, (_, style) in matched.items()
+             if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+    for w in whole:
+        inner = [n for n in split if w == "" or n.startswith(w + ".")]
+        if inner:  # its gradient sum (or none) would reach the split weights too
+            raise ValueError(f"{type(matched[w][1]).__name__} at {w!r} holds {inner[0]!r}, "
+                             f"which the plan splits; give the whole-weight style to the "
+                             f"modules that hold whole weights only")
     for name, mod in module.named_modules():
         own = [n for n, _ in mod.named_parameters(recurse=False)]
         if not own:

@@ -206,6 +206,7 @@ def _on_rank_refusals():
         "dropout": split({"transformer.h.*.mlp.dropout": None}, dropout=0.1),
         "torch style": split({"transformer.ln_f": torch_tp.SequenceParallel()}),
         "tie split once": split({"lm_head": NoParallel()}),
+        "whole over split": split({"transformer.h.*.mlp": SequenceParallel()}),
         "fused shape": split({"transformer.h.*.attn.c_attn": ColwiseParallel(
             input_layouts=Shard(1), output_shape=(3, 12, 5), split_dim=1)}),
     }
@@ -221,6 +222,7 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
         "dropout": ["'transformer.h.0.mlp.dropout'", "SequenceParallel"],
         "torch style": ["torch.distributed.tensor.parallel", "tensor_parallel_toy.apply"],
         "tie split once": ["lm_head.weight", "tied"],
+        "whole over split": ["'transformer.h.0.mlp'", "'transformer.h.0.mlp.c_fc'"],
         "fused shape": ["output_shape=(3, 12, 5)", "out_features=144"],
     }
     for rank, messages in enumerate(pools(2).run(_on_rank_refusals)):
