@@ -207,6 +207,9 @@ def _on_rank_refusals():
         "torch style": split({"transformer.ln_f": torch_tp.SequenceParallel()}),
         "tie split once": split({"lm_head": NoParallel()}),
         "whole over split": split({"transformer.h.*.mlp": SequenceParallel()}),
+        "other weights": lambda: parallelize_module(
+            ex.GPT(ex.CONFIG) if dist.get_rank() == 0 else
+            (torch.manual_seed(1), ex.GPT(ex.CONFIG))[1], group, plan),
         "fused shape": split({"transformer.h.*.attn.c_attn": ColwiseParallel(
             input_layouts=Shard(1), output_shape=(3, 12, 5), split_dim=1)}),
     }
@@ -223,6 +226,7 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
         "torch style": ["torch.distributed.tensor.parallel", "tensor_parallel_toy.apply"],
         "tie split once": ["lm_head.weight", "tied"],
         "whole over split": ["'transformer.h.0.mlp'", "'transformer.h.0.mlp.c_fc'"],
+        "other weights": ["built different models or plans", "sum:transformer.wte.weight"],
         "fused shape": ["output_shape=(3, 12, 5)", "out_features=144"],
     }
     for rank, messages in enumerate(pools(2).run(_on_rank_refusals)):
@@ -258,3 +262,40 @@ def test_classic_opt_in_is_exact_with_a_declared_shape_and_reported_without(pool
             assert r["ok"] == declare_shape, r["text"]
             if not declare_shape:
                 assert "c_attn" in r["failures"][0], r["text"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The logits left split, the loss from them (vocab_parallel_cross_entropy)
+# ----------------------------------------------------------------------------------------------
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(12, 10), nn.LayerNorm(10)
+        self.head = nn.Linear(10, 12, bias=False)
+        self.tp_group = None  # the loss's group: None on one device
+
+    def forward(self, ids):
+        return self.head(self.norm(self.emb(ids)))  # [b, t, V], or [b, t, V/p] split
+
+
+def _on_rank_split_logits():
+    from tensor_parallel_toy.vocab_parallel import vocab_parallel_cross_entropy
+
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1))}
+
+    def parallelize(model, group):
+        model.tp_group = group
+        return parallelize_module(model, group, plan)
+
+    gen = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, 12, (3, 8), generator=gen), torch.randint(0, 12, (3, 8), generator=gen)
+    report = compare_with_one_device(
+        TinyLM, parallelize, batch,
+        lambda m, b: vocab_parallel_cross_entropy(m(b[0]), b[1], m.tp_group))
+    return {"ok": report.ok, "text": str(report)}
+
+
+def test_logits_left_split_give_the_loss_through_vocab_parallel_cross_entropy(pools):
+    for r in pools(2).run(_on_rank_split_logits):
+        assert r["ok"], r["text"]
