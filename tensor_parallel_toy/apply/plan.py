@@ -31,7 +31,9 @@ dim holds the sequence, split over the ranks). What each does here, p = TP size:
                       (reduce_scatter_to_sequence_parallel_region).
     SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
                       parameters stay whole and their gradient is summed over the group before
-                      it is accumulated (`f`'s backward, an all-reduce, at the leaf). An
+                      it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
+                      the Parameter, which an engine that replaces Parameters, fully_shard,
+                      would drop; model.py's norms call `f` in forward instead). An
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
     NoParallel        parameters replicated on every rank and used on the same data (nothing
                       to sum); it only marks them as planned (torchtitan's name).
