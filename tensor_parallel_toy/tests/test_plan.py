@@ -25,6 +25,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, NoParallel, PrepareModul
                                        PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                        compare_with_one_device,
                                        matching_modules, parallelize_module, torch_plan)
+from tensor_parallel_toy.comm import reduce_from_tensor_parallel_region
 from tensor_parallel_toy.examples import nanogpt_tp as ex
 from tensor_parallel_toy.sharding import shard
 
@@ -299,3 +300,48 @@ def _on_rank_split_logits():
 def test_logits_left_split_give_the_loss_through_vocab_parallel_cross_entropy(pools):
     for r in pools(2).run(_on_rank_split_logits):
         assert r["ok"], r["text"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A fused gate|up (SwiGLU): the other fused projection, split per half
+# ----------------------------------------------------------------------------------------------
+class FusedSwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = nn.Embedding(12, 10), nn.LayerNorm(10)
+        self.gate_up = nn.Linear(10, 2 * 6)  # gate rows, then up rows
+        self.down = nn.Linear(6, 10)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        gate, up = self.gate_up(self.norm(x)).unflatten(-1, (2, -1)).unbind(-2)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _on_rank_gate_up(declare_shape):
+    shape = dict(output_shape=(2, 6), split_dim=1) if declare_shape else {}
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "gate_up": ColwiseParallel(input_layouts=Shard(1), **shape),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+    gen = torch.Generator().manual_seed(4)
+    ids, weight = torch.randint(0, 12, (3, 8), generator=gen), torch.randn(3, 8, 10, generator=gen)
+
+    def loss(model, ids):
+        out = model(ids)  # [3, 8/p, 10] under SP: this rank's rows of the weight
+        w = weight if out.shape[1] == 8 else weight.chunk(dist.get_world_size(), 1)[
+            dist.get_rank()]
+        return (out * w).sum() if out.shape[1] == 8 else \
+            reduce_from_tensor_parallel_region((out * w).sum(), dist.group.WORLD)
+
+    report = compare_with_one_device(
+        FusedSwiGLU, lambda m, g: parallelize_module(m, g, plan, overlap=True), ids, loss)
+    return {"ok": report.ok, "text": str(report), "failures": report.failures}
+
+
+def test_fused_gate_up_is_exact_split_per_half_and_reported_as_plain_rows(pools):
+    for declare_shape in (True, False):
+        for r in pools(2).run(_on_rank_gate_up, declare_shape):
+            assert r["ok"] == declare_shape, r["text"]
+            if not declare_shape:
+                assert "split as plain rows: gate_up" in r["text"], r["text"]
