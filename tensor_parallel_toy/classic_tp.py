@@ -152,8 +152,8 @@ def _output_view(block, path, layer, p, where):
     """The `SplitView` a block declares for column layer `path` in `tp_column_shapes`
     ({path: (output_shape, split_dim)}), or None; refused in one line when it cannot hold."""
     declared = getattr(block, "tp_column_shapes", None) or {}
-    if path not in declared:
-        return None
+    if path not in declared or not isinstance(layer, (nn.Linear, nn.Conv2d)):
+        return None  # another kind of layer: _check_layer refuses it
     try:
         shape, split_dim = declared[path]
         shape = tuple(shape)
