@@ -345,3 +345,15 @@ def test_fused_gate_up_is_exact_split_per_half_and_reported_as_plain_rows(pools)
             assert r["ok"] == declare_shape, r["text"]
             if not declare_shape:
                 assert "split as plain rows: gate_up" in r["text"], r["text"]
+
+
+def test_classic_opt_in_refuses_an_output_shape_that_does_not_fit_the_layer():
+    from tensor_parallel_toy.classic_tp import apply_tensor_parallel
+
+    gpt = ex.GPT(ex.CONFIG)
+    attn = gpt.transformer.h[0].attn
+    attn.tp_column, attn.tp_row = "c_attn", "c_proj"
+    attn.tp_column_shapes = {"c_attn": ((3, 12, 5), 1)}
+    with pytest.raises(ValueError) as info:
+        apply_tensor_parallel(gpt, None)
+    assert_one_line(str(info.value), ["'c_attn'", "(3, 12, 5)", "144 outputs"], "bad shape")
