@@ -25,6 +25,7 @@ import importlib
 import sys
 
 from .apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
+from .apply import compare_with_one_device, parallelize_module
 from .config import ModelConfig, RopeScaling
 from .guards.checked import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                              vocab_parallel_cross_entropy)
@@ -46,6 +47,7 @@ for _old, _new in {"agreement": "guards.agreement", "batch": "guards.batch",
 
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RopeScaling", "RowParallelLinear",
            "Transformer", "VocabParallelEmbedding", "WorkerPool", "apply_tensor_parallel",
-           "column_parallel_linear", "from_hf", "grad_norm", "init_from_env", "launch",
-           "parallelize_hf_model", "row_parallel_linear", "shutdown",
-           "sync_replicated_gradients", "to_hf", "vocab_parallel_cross_entropy"]
+           "column_parallel_linear", "compare_with_one_device", "from_hf", "grad_norm",
+           "init_from_env", "launch", "parallelize_hf_model", "parallelize_module",
+           "row_parallel_linear", "shutdown", "sync_replicated_gradients", "to_hf",
+           "vocab_parallel_cross_entropy"]

@@ -17,11 +17,18 @@ activations between blocks, and inside a block its slice of the hidden features.
 conjugates, in comm.py. Whatever runs between the two layers must act on each feature alone
 (an activation, dropout): that is what a block promises by opting in.
 
+A fused projection (one Linear producing q|k|v, or gate|up) must declare its output shape
+and the dim of it to split, `tp_column_shapes = {"c_attn": ((3, n_head, head_dim), 1)}` (set
+in the block's `__init__`, where the sizes are known): split as plain rows, rank 0 would get
+all of q and half of k, and nothing would fail (every rank wrong the same way).
+
 Supported layers: nn.Linear (features on the last dim) and 1x1 nn.Conv2d (channels on dim 1,
 `[B, C, H, W]`), the two differing only in that. A convolution with any other kernel, stride,
 padding, dilation or groups is refused: it is not a per-pixel matmul, and silently dropping
 those settings would change the model.
 """
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -31,7 +38,8 @@ from ..comm import (all_reduce_, copy_to_tensor_parallel_region, group_rank, gro
                    reduce_from_tensor_parallel_region)
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
-from ..support.sharding import mark_tensor_parallel, named_layouts, record_layouts, tensor_parallel_dim
+from ..support.sharding import (mark_tensor_parallel, named_layouts, record_layouts, split_rows,
+                                tensor_parallel_dim)
 
 # The class attributes a block declares its layers with; the underscored names are the ones
 # this package first published, still accepted.
@@ -43,22 +51,25 @@ class _ClassicParallel(nn.Module):
     (column), 1 the input features (row). The weight keeps the layer's own layout: Linear
     `[out, in]`, Conv2d `[out, in, 1, 1]`, so the split dims are the same for both."""
 
-    def __init__(self, layer, tp_group, split_dim):
+    def __init__(self, layer, tp_group, split_dim, view=None):
         super().__init__()
         p, r = group_size(tp_group), group_rank(tp_group)
         self.tp_group, self.tp_size, self.split_dim = tp_group, p, split_dim
         self.is_conv = isinstance(layer, nn.Conv2d)
         self.full_shape = tuple(layer.weight.shape)
+        # A declared output shape: this rank's rows of it, in the view's order (column only).
+        rows = None if view is None else view.rows[r].to(layer.weight.device)
+        cut = (lambda t: t[rows]) if view is not None else (lambda t: t.chunk(p, split_dim)[r])
         with torch.no_grad():
-            weight = layer.weight.chunk(p, dim=split_dim)[r].clone()
-            self.weight = mark_tensor_parallel(nn.Parameter(weight), split_dim)
+            self.weight = mark_tensor_parallel(nn.Parameter(cut(layer.weight).clone()),
+                                               split_dim, view)
             self.bias = None
             if layer.bias is not None:
                 # Column: each rank adds the bias of its own outputs. Row: the bias is added
                 # once, after the sum, and is the same on every rank.
-                bias = layer.bias.chunk(p)[r] if split_dim == 0 else layer.bias
+                bias = cut(layer.bias) if split_dim == 0 else layer.bias
                 self.bias = mark_tensor_parallel(nn.Parameter(bias.clone()),
-                                                 0 if split_dim == 0 else None)
+                                                 0 if split_dim == 0 else None, view)
 
     def _matmul(self, x, weight, bias):
         """The layer's own op: a 1x1 convolution is a matmul over the channel dim per pixel."""
@@ -77,8 +88,8 @@ class ClassicColumnParallel(_ClassicParallel):
     each rank's input gradient covers only its outputs, so backward sums it over the group.
     """
 
-    def __init__(self, layer, tp_group):
-        super().__init__(layer, tp_group, split_dim=0)
+    def __init__(self, layer, tp_group, view=None):
+        super().__init__(layer, tp_group, split_dim=0, view=view)
 
     def forward(self, x):
         return self._matmul(copy_to_tensor_parallel_region(x, self.tp_group), self.weight,
@@ -137,7 +148,27 @@ def _resolve(block, path, where):
     return obj
 
 
-def _check_layer(layer, kind, p, where):
+def _output_view(block, path, layer, p, where):
+    """The `RowSplit` a block declares for column layer `path` in `tp_column_shapes`
+    ({path: (output_shape, split_dim)}), or None; refused in one line when it cannot hold."""
+    declared = getattr(block, "tp_column_shapes", None) or {}
+    if path not in declared or not isinstance(layer, (nn.Linear, nn.Conv2d)):
+        return None  # another kind of layer: _check_layer refuses it
+    try:
+        shape, split_dim = declared[path]
+        shape = tuple(shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: tp_column_shapes[{path!r}]={declared[path]!r}: give "
+                         f"(output_shape, split_dim), e.g. ((3, n_head, head_dim), 1)") from None
+    n_out = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
+    if math.prod(shape) != n_out or not 0 <= split_dim < len(shape) or shape[split_dim] % p:
+        raise ValueError(f"{where}: output shape {shape} split along dim {split_dim}: the shape "
+                         f"must hold the layer's {n_out} outputs and its dim {split_dim} divide "
+                         f"by the tensor-parallel size {p}")
+    return split_rows(shape, split_dim, p)
+
+
+def _check_layer(layer, kind, p, where, shaped=False):
     """Refuse, with one line, any layer the classic column/row conversion cannot keep exact."""
     if isinstance(layer, nn.Conv2d):
         settings = {"kernel_size": (layer.kernel_size, (1, 1)), "stride": (layer.stride, (1, 1)),
@@ -158,7 +189,8 @@ def _check_layer(layer, kind, p, where):
         raise ValueError(f"{where}: {type(layer).__name__} cannot be made {kind}-parallel; "
                          f"supported are nn.Linear and 1x1 nn.Conv2d")
     name, value = (names[0], n_out) if kind == "column" else (names[1], n_in)
-    check_divisible(f"{where}: {name}", value, p)
+    if not shaped:  # a declared output shape is checked by _output_view
+        check_divisible(f"{where}: {name}", value, p)
 
 
 def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
@@ -166,10 +198,12 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
     (`_tp_col` / `_tp_row` are accepted as their older names).
 
     Each declaration is one dotted path or a tuple of them (e.g. two column layers, gate and
-    up, feeding one row layer). The whole model is checked before anything changes, and
-    before any communication, so a bad layer is one ValueError on every rank with no rank left
-    in a collective. Every rank must hold the same weights beforehand (same seed or same
-    checkpoint): each keeps its slice of them. Returns the model.
+    up, feeding one row layer). A column layer whose output is several tensors side by side (a
+    fused q|k|v) needs `tp_column_shapes` (module docstring): as plain rows it is split wrong.
+    The whole model is checked before anything changes, and before any communication, so a bad
+    layer is one ValueError on every rank with no rank left in a collective. Every rank must
+    hold the same weights beforehand (same seed or same checkpoint): each keeps its slice of
+    them. Returns the model.
 
     `check_replicated_grads` ("first", or N for every N-th backward; None: off) checks at the
     end of a backward through `model` that every parameter left whole has the same gradient on
@@ -193,16 +227,23 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
         for kind, paths in (("column", _paths(col)), ("row", _paths(row))):
             for path in paths:
                 layer = _resolve(block, path, where)
-                _check_layer(layer, kind, p, f"{where}, {kind} layer {path!r}")
-                plan.append((block, path, layer, kind))
+                at = f"{where}, {kind} layer {path!r}"
+                view = _output_view(block, path, layer, p, at) if kind == "column" else None
+                _check_layer(layer, kind, p, at, shaped=view is not None)
+                plan.append((block, path, layer, kind, view))
+        unknown = set(getattr(block, "tp_column_shapes", None) or {}) - set(_paths(col))
+        if unknown:
+            raise ValueError(f"{where}: tp_column_shapes names {sorted(unknown)}, which "
+                             f"tp_column does not ({col!r})")
     if not plan:
         raise ValueError(f"{type(model).__name__} has no block declaring tp_column and tp_row: "
                          f"nothing to split")
-    for block, path, layer, kind in plan:
+    for block, path, layer, kind, view in plan:
         parent_path, _, attr = path.rpartition(".")
         parent = _resolve(block, parent_path, "") if parent_path else block
-        cls = ClassicColumnParallel if kind == "column" else ClassicRowParallel
-        setattr(parent, attr, cls(layer, tp_group))  # "1" in a Sequential replaces its item 1
+        new = ClassicColumnParallel(layer, tp_group, view) if kind == "column" else \
+            ClassicRowParallel(layer, tp_group)
+        setattr(parent, attr, new)  # "1" in a Sequential replaces its item 1
     record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
     check_ranks_agree({"check_replicated_grads": check_replicated_grads}, tp_group,
                       "apply_tensor_parallel calls")

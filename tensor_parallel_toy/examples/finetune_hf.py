@@ -17,6 +17,7 @@ On every rank:
    model's, which every rank computed (a collective).
 """
 import argparse
+import contextlib
 import os
 import tempfile
 
@@ -84,9 +85,12 @@ def run_rank(options):
 
         transformers.logging.disable_progress_bar()  # keep the example's own lines readable
         hf.load_state_dict(trained)  # strict: every tensor, under Hugging Face's names
-        hf.save_pretrained(options.out)
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(options.out,
-                                                                     dtype=torch.float32)
+        with contextlib.ExitStack() as stack:  # without --out: a folder removed at the end
+            out = options.out or stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="tp_toy_checkpoint_"))
+            hf.save_pretrained(out)
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(out,
+                                                                         dtype=torch.float32)
         with torch.no_grad():
             want = reloaded(ids).logits
         result["error"] = ((logits - want).abs().max() / want.abs().max()).item()
@@ -100,8 +104,8 @@ def parse(argv=None):
     parser.add_argument("--checkpoint", help="a local Hugging Face model folder (default: a "
                                              "tiny random model of --family)")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
-    parser.add_argument("--out", help="where to save the trained checkpoint (default: a new "
-                                      "temporary folder)")
+    parser.add_argument("--out", help="where to save the trained checkpoint (default: a "
+                                      "temporary folder, removed at the end)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (ignored under "
                                                              "torchrun)")
     parser.add_argument("--steps", type=int, default=8)
@@ -111,16 +115,15 @@ def parse(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap", action="store_true", help="overlap communication with "
                                                                "the GEMMs (the ring schedules)")
-    options = parser.parse_args(argv)
-    options.out = options.out or tempfile.mkdtemp(prefix="tp_toy_checkpoint_")
-    return options
+    return parser.parse_args(argv)
 
 
 def report(result):
     """The lines a reader checks; raises if the reloaded checkpoint's logits differ."""
     losses = result["losses"]
     print(f"loss over {len(losses)} steps: " + " ".join(f"{x:.3f}" for x in losses))
-    print(f"saved the trained checkpoint to {result['out']}")
+    print(f"saved the trained checkpoint to {result['out']}" if result["out"] else
+          "saved the trained checkpoint to a temporary folder, removed (--out DIR keeps it)")
     if not result["error"] <= SAME_LOGITS_TOL:
         raise SystemExit(f"the reloaded checkpoint's logits differ from the TP model's by "
                          f"{result['error']:.3g} (relative), more than {SAME_LOGITS_TOL:g}")

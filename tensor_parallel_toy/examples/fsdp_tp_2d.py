@@ -62,6 +62,10 @@ def report(result):
 
 
 if __name__ == "__main__":
+    started = int(os.environ.get("WORLD_SIZE", DP * TP))
+    if started != DP * TP:  # before any process group: one line, not a mesh error per rank
+        raise SystemExit(f"fsdp_tp_2d runs on a {DP} x {TP} grid, {DP * TP} ranks; torchrun "
+                         f"started {started}: use torchrun --nproc-per-node {DP * TP}")
     results = launch(run_rank, DP * TP)  # under torchrun: this rank's result only
     if os.environ.get("RANK", "0") == "0":
         report(results[0])

@@ -14,7 +14,9 @@ behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
     results/trace_<mode>_rank<r>.json   with --trace: torch.profiler Chrome traces (Perfetto)
 """
 import argparse
+import difflib
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -41,7 +43,30 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        raise UsageError(message)
+        raise UsageError(message + _did_you_mean(self, message))
+
+
+def _did_you_mean(parser, message):
+    """"; did you mean --steps?" for each unknown flag in argparse's message near a real one."""
+    if "unrecognized arguments:" not in message:
+        return ""
+    known = [o for action in parser._actions for o in action.option_strings]
+    close = {flag: difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.6)
+             for flag in message.split("unrecognized arguments:")[1].split()
+             if flag.startswith("-")}
+    hints = [f"{m[0]} for {flag}" for flag, m in close.items() if m]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
+def _check_tp_divides_all(config, tp):
+    """Every size the TP size does not divide, in one line (check_tp_size names the first)."""
+    names = ("hidden_size", "num_heads", "ffn_hidden_size", "vocab_size")
+    bad = [f"{n}={getattr(config, n)}" for n in names if getattr(config, n) % tp]
+    if len(bad) > 1:
+        common = math.gcd(*(getattr(config, n) for n in names))
+        valid = [d for d in range(2, 65) if common % d == 0]
+        raise ValueError(f"{', '.join(bad)} are not divisible by the tensor-parallel size {tp}; "
+                         f"valid TP sizes for all of them: {valid}")
 
 
 def build_parser():
@@ -188,6 +213,7 @@ def parse_args(argv, env=os.environ):
                                   num_kv_heads=args.kv_heads,
                                   tie_embeddings=args.tie_embeddings,
                                   mlp=MODELS[args.model]["mlp"])
+        _check_tp_divides_all(args.config, args.tp)
         args.config.check_tp_size(args.tp)
         if "dtensor" in args.modes:
             dtensor_tp.check_transformer_plan(args.config, args.tp)

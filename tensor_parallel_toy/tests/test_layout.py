@@ -21,7 +21,6 @@ import pytest
 
 PACKAGE = "tensor_parallel_toy"
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIBRARY_ROOMS = ("guards", "apply", "interop", "launcher", "support")  # beside the reading path
 READING_PATH_MAX_CODE_LINES = 650
 
 
@@ -138,9 +137,14 @@ def test_the_rooms_exist_and_the_library_readme_names_every_module():
     modules = {f for f in library if f != "__init__.py"} | set(harness)
     modules |= {f"post/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "post"))
                 if f.endswith(".py") and f != "__init__.py"}
-    for room in ("examples", *LIBRARY_ROOMS):
-        modules |= {f"{room}/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, room))
-                    if f.endswith(".py") and f != "__init__.py"}
+    modules |= {f"examples/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "examples"))
+                if f.endswith(".py") and f != "__init__.py"}
+    for sub in os.listdir(PACKAGE_DIR):  # the library's own sub-packages (apply/, ...)
+        folder = os.path.join(PACKAGE_DIR, sub)
+        if sub not in ("profiling", "post", "tests", "examples") and \
+                os.path.isfile(os.path.join(folder, "__init__.py")):
+            modules |= {f"{sub}/{f}" for f in os.listdir(folder)
+                        if f.endswith(".py") and f != "__init__.py"}
     assert modules <= named, f"not in tensor_parallel_toy/README.md: {sorted(modules - named)}"
     stale = {n for n in named if not n.startswith(("test_", "conftest", "helpers"))} - modules
     assert not stale, f"tensor_parallel_toy/README.md names modules that do not exist: {stale}"

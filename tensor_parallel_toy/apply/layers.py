@@ -1,0 +1,178 @@
+"""The modules and region transitions a plan (plan.py) puts in place, on the user's layout.
+
+Our layers work sequence-first, `[s, b, h]`; a user's model may be batch-first. Each module
+here is told which dim of its activations is the sequence (a style's `Shard(d)`), moves it to
+the front (a view) on the way in, and back (made contiguous, as nn.Linear's output is) on the
+way out. The checks that need the input's shape (the sequence dim exists, p divides the whole
+sequence) come first, before any collective.
+
+    PlannedColumn     ColumnParallelLinear: all-gather(seq) + GEMM, or `f` + GEMM on a whole
+                      input; optionally the features gathered after
+    PlannedRow        RowParallelLinear: GEMM + reduce-scatter(seq), or GEMM + `g`
+    PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq)
+    SequenceParallelDropout   one device's mask, this rank's slice of it
+    gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+from ..comm import (all_gather_seq, copy_to_tensor_parallel_region,
+                    gather_from_tensor_parallel_region, group_rank, group_size,
+                    reduce_from_tensor_parallel_region)
+from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..vocab_parallel import VocabParallelEmbedding
+
+
+def to_sequence_first(x, dim, p, where, whole=False):
+    """x with its sequence dim `dim` moved to the front (a view), after the checks that must
+    come before any collective (`whole`: x holds the whole sequence, which p must divide)."""
+    if x.dim() <= (dim if dim >= 0 else -dim - 1):
+        raise ValueError(f"{where}: input of shape {list(x.shape)} has no dim {dim} for the "
+                         f"sequence; say where the sequence is with Shard(d)")
+    n = x.shape[dim]
+    if whole and n % p:
+        raise ValueError(f"{where}: the sequence (dim {dim} of input shape {list(x.shape)}) has "
+                         f"{n} positions, which the TP size {p} does not divide; pad it to "
+                         f"{n + (-n) % p} (labels ignored) before the call: it is refused, not "
+                         f"padded")
+    return x.transpose(0, dim)
+
+
+class PlannedColumn(ColumnParallelLinear):
+    """ColumnParallelLinear that reads and writes the user's layout (see ColwiseParallel)."""
+
+    def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
+                 split_dim, where):
+        super().__init__(linear.in_features, output_shape or linear.out_features,
+                         tp_group=tp_group, bias=linear.bias is not None, overlap=overlap,
+                         split_dim=split_dim, device=linear.weight.device,
+                         dtype=linear.weight.dtype, init_weights=False)
+        self.input_dim, self.gather_output, self.where = input_dim, gather_output, where
+
+    def forward(self, x):
+        if self.input_dim is None:  # the whole input on every rank: classic TP
+            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
+            x = to_sequence_first(x, self.input_dim, self.tp_size, self.where)
+            y = super().forward(x).transpose(0, self.input_dim).contiguous()
+        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class PlannedRow(RowParallelLinear):
+    """RowParallelLinear that reads and writes the user's layout (see RowwiseParallel)."""
+
+    def __init__(self, linear, tp_group, overlap, output_dim, where):
+        super().__init__(linear.in_features, linear.out_features, tp_group=tp_group,
+                         bias=linear.bias is not None, overlap=overlap,
+                         device=linear.weight.device, dtype=linear.weight.dtype, init_weights=False)
+        self.output_dim, self.where = output_dim, where
+
+    def forward(self, x):
+        if self.output_dim is None:  # `g`: every rank gets the whole sum, then the bias once
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
+            return y if self.bias is None else y + self.bias
+        x = to_sequence_first(x, self.output_dim, self.tp_size, self.where, whole=True)
+        return super().forward(x).transpose(0, self.output_dim).contiguous()
+
+
+class PlannedEmbedding(VocabParallelEmbedding):
+    """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel)."""
+
+    def __init__(self, embedding, tp_group, output_dim, where):
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group,
+                         device=embedding.weight.device, dtype=embedding.weight.dtype,
+                         init_weights=False)
+        self.output_dim, self.where = output_dim, where
+
+    def forward(self, ids):
+        ids = to_sequence_first(ids, self.output_dim, group_size(self.tp_group), self.where,
+                            whole=True)
+        return super().forward(ids).transpose(0, self.output_dim).contiguous()
+
+
+class SequenceParallelDropout(nn.Module):
+    """Dropout on this rank's slice (along `dim`) of a tensor p times as long there, with the
+    mask one device would draw for the whole tensor: every rank draws it (same generator state)
+    and keeps its slice, so ranks mask different rows differently and equal one device."""
+
+    def __init__(self, p, dim, tp_group):
+        super().__init__()
+        self.p, self.dim, self.tp_group = p, dim, tp_group
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        n = group_size(self.tp_group)
+        full = list(x.shape)
+        full[self.dim] *= n
+        mask = F.dropout(x.new_ones(full), self.p, training=True)  # 0 or 1/(1-p), one device's
+        return x * mask.chunk(n, dim=self.dim)[group_rank(self.tp_group)]
+
+    def extra_repr(self):
+        return f"p={self.p}, sequence_dim={self.dim}"
+
+
+class _GatherSequence(torch.autograd.Function):
+    """forward: all-gather along the sequence dim `dim` ([.., s/p, ..] -> [.., s, ..] on every
+    rank); backward: this rank's slice of the gradient. Conjugate of _SplitSequence.
+
+    Into a replicated region (PrepareModuleInput / PrepareModuleOutput, Shard(d) ->
+    Replicate()): what follows computes the same thing from the same data on every rank, or
+    sums its partial gradients itself (a column layer's `f`), so the gradient that comes back
+    is whole and the same everywhere, and each rank keeps its own rows of it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        full, _ = all_gather_seq(x.transpose(0, dim), group)
+        return full.transpose(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, p = group_rank(ctx.group), group_size(ctx.group)
+        return grad.chunk(p, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """forward: this rank's slice along the sequence dim `dim` (no communication); backward:
+    all-gather of the slices' gradients, the whole gradient of the replicated input, the same
+    on every rank. Conjugate of _GatherSequence (Replicate() -> Shard(d))."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        rank, p = group_rank(group), group_size(group)
+        return x.chunk(p, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, _ = all_gather_seq(grad.transpose(0, ctx.dim), ctx.group)
+        return full.transpose(0, ctx.dim).contiguous(), None, None
+
+
+def gather_sequence(x, dim, group):
+    """[.., s/p, ..] (dim `dim`) -> [.., s, ..] on every rank; backward: this rank's slice."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, dim, group)
+
+
+def split_sequence(x, dim, group):
+    """[.., s, ..] the same on every rank -> this rank's [.., s/p, ..]; backward: all-gather."""
+    return x if group_size(group) == 1 else _SplitSequence.apply(x, dim, group)
+
+
+def redistribute(x, have, want, group, where):
+    """x from layout `have` to `want`: Shard(d) <-> Replicate() along the sequence dim d."""
+    if have is None or want is None or have == want or not torch.is_tensor(x) or \
+            group_size(group) == 1:
+        return x
+    if isinstance(have, Shard) and isinstance(want, Replicate):
+        to_sequence_first(x, have.dim, group_size(group), where)
+        return gather_sequence(x, have.dim, group)
+    to_sequence_first(x, want.dim, group_size(group), where, whole=True)
+    return split_sequence(x, want.dim, group)
+
+__all__ = ["PlannedColumn", "PlannedEmbedding", "PlannedRow", "SequenceParallelDropout",
+           "gather_sequence", "redistribute", "split_sequence", "to_sequence_first"]

@@ -1,0 +1,500 @@
+"""A plan in PyTorch's words, carried out by this package's layers: TP + SP (+ overlap) for a
+model of your own.
+
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "transformer.h.*.ln_*": SequenceParallel(),
+        "transformer.h.*.attn.c_attn": ColwiseParallel(input_layouts=Shard(1),
+                                                       output_shape=(3, n_head, head_dim),
+                                                       split_dim=1),
+        "transformer.h.*.attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        ...
+    }
+    parallelize_module(model, tp_group, plan, overlap=True)
+
+The styles have the names, arguments and meaning of `torch.distributed.tensor.parallel`'s
+(`Shard(d)` / `Replicate()` are PyTorch's placements; `Shard(d)` on an activation says which
+dim holds the sequence, split over the ranks). What each does here, p = TP size:
+
+    ColwiseParallel   nn.Linear -> ColumnParallelLinear, weight rows split.
+                      input Shard(d): all-gather the sequence, then the GEMM (parallel_linear's
+                      _AllGatherGemm, or its ring with overlap=True); backward reduce-scatter.
+                      input Replicate() (the default): `f` (copy_to_tensor_parallel_region).
+                      output Shard(-1) (default): this rank's features; Replicate(): gathered
+                      (gather_from_tensor_parallel_region; backward keeps this rank's slice).
+                      output_shape=(...), split_dim=k: the rows flatten that shape, split along
+                      dim k (a fused q|k|v is (3, heads, head_dim) split along 1).
+    RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
+                      output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
+                      or its ring); output Replicate() (default): `g`, an all-reduce.
+                      nn.Embedding -> VocabParallelEmbedding: rows split, output Shard(d) only
+                      (reduce_scatter_to_sequence_parallel_region).
+    SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
+                      parameters stay whole and their gradient is summed over the group before
+                      it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
+                      the Parameter, which an engine that replaces Parameters, fully_shard,
+                      would drop; model.py's norms call `f` in forward instead). An
+                      nn.Dropout draws one device's whole mask and keeps this rank's slice.
+    NoParallel        parameters replicated on every rank and used on the same data (nothing
+                      to sum); it only marks them as planned (torchtitan's name).
+    PrepareModuleInput / PrepareModuleOutput  a module's inputs / outputs moved between layouts:
+                      Shard(d) -> Replicate(): all-gather along d, backward this rank's slice
+                      (the gradient of replicated code is whole on every rank: a column layer
+                      behind it takes it through `f`); Replicate() -> Shard(d): this rank's
+                      slice, backward all-gather. E.g. an attention that reads T from its input
+                      gets the whole sequence; its column layers then take Replicate() input.
+
+Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
+Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and
+made contiguous, as nn.Linear's would be. Dropout under SP: the masks are exactly one device's
+(every rank holds the same generator state and draws the full mask), so a TP run with dropout
+equals one device's run from the same seed; drawing p times the random numbers a rank needs is
+the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
+regions: cheaper, different masks per rank too, but no longer one device's run.)
+
+Refused in one line, before any collective: a key matching no module, a module matched twice,
+a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
+would stay a per-rank tensor with a partial gradient), an nn.Dropout with p > 0 no entry
+covers, a tied weight split on one side only; at run time, before the collective, a sequence
+p does not divide (refused, not padded: padding would change the model's output shape).
+"""
+import difflib
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from ..guards.agreement import check_ranks_agree, module_fingerprint
+from ..comm import all_reduce_, group_size
+from ..config import check_divisible
+from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
+from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
+from .layers import (PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout,
+                     redistribute)
+
+
+# ----------------------------------------------------------------------------------------------
+# The styles: what a plan says about one module
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """An nn.Linear's output features split over the ranks (PlannedColumn)."""
+    input_layouts: object = None  # None: Replicate()
+    output_layouts: object = None  # None: Shard(-1)
+    use_local_output: bool = True  # accepted for PyTorch's sake: our outputs are plain tensors
+    output_shape: tuple = None  # the rows flatten this shape (a fused projection)
+    split_dim: int = 0  # the dim of output_shape split over the ranks
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """An nn.Linear's input features (or an nn.Embedding's rows) split (PlannedRow / Embedding)."""
+    input_layouts: object = None  # None: Shard(-1)
+    output_layouts: object = None  # None: Replicate()
+    use_local_output: bool = True
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """A module on this rank's part of dim `sequence_dim`, its parameters whole, their
+    gradients summed over the group; a dropout's mask one device's."""
+    sequence_dim: int = 1
+    use_local_output: bool = False
+
+
+@dataclass(frozen=True)
+class NoParallel:
+    """A module whose parameters every rank holds whole and uses on the same data."""
+
+
+@dataclass(frozen=True)
+class PrepareModuleInput:
+    """A module's inputs moved from their layouts to the desired ones (Shard(d) <-> Replicate())."""
+    input_layouts: object = None  # one layout per positional input (None: not a tensor)
+    desired_input_layouts: object = None
+    input_kwarg_layouts: dict = None
+    desired_input_kwarg_layouts: dict = None
+    use_local_output: bool = False
+
+
+@dataclass(frozen=True)
+class PrepareModuleOutput:
+    """A module's outputs moved from their layouts to the desired ones."""
+    output_layouts: object = None
+    desired_output_layouts: object = None
+    use_local_output: bool = True
+
+
+STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
+          PrepareModuleOutput)
+
+
+def _layout(value, default):
+    value = default if value is None else value
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    return value
+
+
+def _seq_dim(layout, what, where):
+    """The sequence dim a layout names: Shard(d) -> d, Replicate() -> None."""
+    if isinstance(layout, Replicate):
+        return None
+    if isinstance(layout, Shard):
+        return layout.dim
+    raise ValueError(f"{where}: {what}={layout!r}: valid are Shard(d) (the sequence split along "
+                     f"dim d) and Replicate()")
+
+
+def _pairs(have, want, where):
+    """The layouts as two equally long tuples, each pair one the functions above move between."""
+    have = have if isinstance(have, (tuple, list)) else (have,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    if len(have) != len(want):
+        raise ValueError(f"{where}: {len(have)} layouts given, {len(want)} desired; give one "
+                         f"per input (None where it is not a tensor)")
+    for a, b in zip(have, want):
+        if (a is None) != (b is None) or not (a == b or {type(a), type(b)} == {Shard, Replicate}
+                                              or a is None):
+            raise ValueError(f"{where}: {a!r} -> {b!r}: valid moves are Shard(d) -> Replicate() "
+                             f"(all-gather) and Replicate() -> Shard(d) (this rank's slice)")
+    return tuple(have), tuple(want)
+
+
+def _prepare(style, group, where):
+    """The hook functions of a PrepareModuleInput / PrepareModuleOutput."""
+    if isinstance(style, PrepareModuleOutput):
+        have, want = _pairs(style.output_layouts, style.desired_output_layouts, where)
+
+        def output_hook(module, args, output):
+            single = not isinstance(output, tuple)
+            moved = tuple(redistribute(x, a, b, group, where)
+                          for x, a, b in zip((output,) if single else output, have, want))
+            return moved[0] if single else moved
+        return output_hook
+    have, want = _pairs(style.input_layouts, style.desired_input_layouts, where)
+    kw_have = style.input_kwarg_layouts or {}
+    kw_want = style.desired_input_kwarg_layouts or {}
+    _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
+
+    def input_hook(module, args, kwargs):
+        args = tuple(redistribute(x, a, b, group, where) for x, a, b in zip(args, have, want)) \
+            + tuple(args[len(have):])
+        kwargs = {k: redistribute(v, kw_have.get(k), kw_want.get(k), group, where)
+                  for k, v in kwargs.items()}
+        return args, kwargs
+    return input_hook
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a plan
+# ----------------------------------------------------------------------------------------------
+def matching_modules(module, key, prefix=""):
+    """[(name, module)] that `key` names, read as PyTorch's parallelize_module reads it: the
+    key split at dots, each token matched with fnmatch against the children's names at its
+    depth ("h.*.attn" is every child of h, then its `attn`); "" is `module` itself."""
+    if key == "":
+        return [(prefix, module)]
+    token, _, rest = key.partition(".")
+    found = []
+    for name, child in module.named_children():
+        if fnmatch.fnmatch(name, token):
+            full = f"{prefix}.{name}" if prefix else name
+            found += matching_modules(child, rest, full) if rest else [(full, child)]
+    return found
+
+
+def _check_style(name, module, style, p):
+    """One line for anything `style` cannot do to `module` over p ranks."""
+    where = f"{type(style).__name__} at {name!r}"
+    if name == "" and (isinstance(style, (ColwiseParallel, RowwiseParallel)) or
+                       isinstance(module, nn.Dropout)):
+        raise ValueError(f"{where}: a style that replaces the module cannot apply to the root "
+                         f"itself; plan its layers by name")
+    if isinstance(style, ColwiseParallel):
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{where}: {type(module).__name__} cannot be split by columns here; "
+                             f"ColwiseParallel takes an nn.Linear")
+        _seq_dim(_layout(style.input_layouts, Replicate()), "input_layouts", where)
+        out = _layout(style.output_layouts, Shard(-1))
+        if not (isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim == -1)):
+            raise ValueError(f"{where}: output_layouts={out!r}: valid are Shard(-1) (this "
+                             f"rank's features) and Replicate() (gathered)")
+        if style.output_shape is None:
+            if style.split_dim:
+                raise ValueError(f"{where}: split_dim={style.split_dim} without output_shape; "
+                                 f"give output_shape, or leave split_dim at 0")
+            check_divisible(f"{where}: out_features", module.out_features, p)
+            return
+        shape = tuple(style.output_shape)
+        if math.prod(shape) != module.out_features:
+            raise ValueError(f"{where}: output_shape={shape} holds {math.prod(shape)} rows, the "
+                             f"layer has out_features={module.out_features}")
+        if not 0 <= style.split_dim < len(shape):
+            raise ValueError(f"{where}: split_dim={style.split_dim}: valid are 0..{len(shape) - 1}")
+        if shape[style.split_dim] % p:
+            raise ValueError(f"{where}: output_shape={shape} split along dim {style.split_dim}: "
+                             f"{shape[style.split_dim]} is not divisible by the TP size {p}")
+        if isinstance(out, Replicate):
+            raise ValueError(f"{where}: output_layouts=Replicate() with an output_shape: the "
+                             f"gathered rows would be in rank order, not the layer's")
+    elif isinstance(style, RowwiseParallel):
+        inp = _layout(style.input_layouts, Shard(-1) if isinstance(module, nn.Linear)
+                      else Replicate())
+        out = _seq_dim(_layout(style.output_layouts, Replicate()), "output_layouts", where)
+        if isinstance(module, nn.Linear):
+            if not (isinstance(inp, Shard) and inp.dim == -1):
+                raise ValueError(f"{where}: input_layouts={inp!r}: a row-parallel Linear takes "
+                                 f"this rank's features, Shard(-1)")
+            check_divisible(f"{where}: in_features", module.in_features, p)
+        elif isinstance(module, nn.Embedding):
+            if not isinstance(inp, Replicate) or out is None:
+                raise ValueError(f"{where}: an nn.Embedding takes the whole ids (input_layouts="
+                                 f"Replicate()) and returns this rank's sequence rows "
+                                 f"(output_layouts=Shard(d)); other layouts are not implemented")
+            if module.padding_idx is not None or module.max_norm is not None:
+                raise ValueError(f"{where}: padding_idx / max_norm are not supported")
+            check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
+        else:
+            raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
+                             f"RowwiseParallel takes an nn.Linear or an nn.Embedding")
+    elif isinstance(style, PrepareModuleOutput):
+        _pairs(style.output_layouts, style.desired_output_layouts, where)
+    elif isinstance(style, PrepareModuleInput):
+        _pairs(style.input_layouts, style.desired_input_layouts, where)
+        kw_have, kw_want = style.input_kwarg_layouts or {}, style.desired_input_kwarg_layouts or {}
+        _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
+    elif isinstance(style, SequenceParallel) and isinstance(module, nn.Dropout) and \
+            style.sequence_dim < 0:
+        raise ValueError(f"{where}: sequence_dim={style.sequence_dim}: give it as a dim >= 0")
+
+
+def _check_covered(module, matched):
+    """Every parameter must be split by a style or kept whole by one (named per module)."""
+    whole = [name for name, (_, style) in matched.items()
+             if isinstance(style, (SequenceParallel, NoParallel))]
+    split = [name for name, (_, style) in matched.items()
+             if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+    for w in whole:
+        inner = [n for n in split if w == "" or n.startswith(w + ".")]
+        if inner:  # its gradient sum (or none) would reach the split weights too
+            raise ValueError(f"{type(matched[w][1]).__name__} at {w!r} holds {inner[0]!r}, "
+                             f"which the plan splits; give the whole-weight style to the "
+                             f"modules that hold whole weights only")
+    for name, mod in module.named_modules():
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if not own:
+            continue
+        style = matched.get(name, (None, None))[1]
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        if any(name == w or name.startswith(w + ".") or w == "" for w in whole):
+            continue
+        label = f"{name}.{own[0]}" if name else own[0]
+        raise ValueError(
+            f"parameter {label!r} ({type(mod).__name__} at {name!r}) is neither split nor kept "
+            f"whole by the plan: it would stay a per-rank tensor with a partial gradient; give "
+            f"{name!r} a ColwiseParallel / RowwiseParallel entry, SequenceParallel if it acts on "
+            f"this rank's rows, or NoParallel if it sees the same data on every rank")
+
+
+def _check_dropouts(module, matched):
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.Dropout) and mod.p > 0 and name not in matched:
+            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: every rank "
+                             f"would draw the same mask for different rows; give it "
+                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks")
+
+
+def resolve_plan(module, plan, p):
+    """{module name: (module, style)} for `plan`, every check made (no communication)."""
+    if not isinstance(plan, dict):
+        raise ValueError(f"plan must be a dict {{module name pattern: style}}, got "
+                         f"{type(plan).__name__}")
+    names = [n for n, _ in module.named_modules() if n]
+    matched = {}
+    for key, style in plan.items():
+        if not isinstance(style, STYLES):
+            cls = type(style)
+            hint = (f"; use tensor_parallel_toy.apply.{cls.__name__} (same arguments)"
+                    if cls.__name__ in {s.__name__ for s in STYLES} else "")
+            raise ValueError(f"plan[{key!r}] is a {cls.__module__}.{cls.__name__}: valid are "
+                             f"{', '.join(s.__name__ for s in STYLES)}{hint}")
+        found = matching_modules(module, key)
+        if not found:
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+            raise ValueError(f"plan key {key!r} matches no module of {type(module).__name__}"
+                             + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                f"; its children are {[n for n, _ in module.named_children()]}"))
+        for name, mod in found:
+            if name in matched:
+                raise ValueError(f"module {name!r} is matched by two plan keys, "
+                                 f"{matched[name][2]!r} and {key!r}; keep one")
+            _check_style(name, mod, style, p)
+            matched[name] = (mod, style, key)
+    matched = {name: (mod, style) for name, (mod, style, _) in matched.items()}
+    _check_covered(module, matched)
+    _check_dropouts(module, matched)
+    return matched
+
+
+# ----------------------------------------------------------------------------------------------
+# Carrying it out
+# ----------------------------------------------------------------------------------------------
+def _sum_over(group):
+    # f's backward at the leaf: this backward's partial gradient summed over the group.
+    return lambda grad: all_reduce_(grad.clone(), group)
+
+
+def _replacement(name, mod, style, group, overlap):
+    """The module that takes `mod`'s place (or `mod` itself, changed in place)."""
+    where = f"{type(style).__name__} at {name!r}"
+    if isinstance(style, ColwiseParallel):
+        out = _layout(style.output_layouts, Shard(-1))
+        return PlannedColumn(mod, group, overlap,
+                             _seq_dim(_layout(style.input_layouts, Replicate()), "", where),
+                             isinstance(out, Replicate), style.output_shape, style.split_dim,
+                             where)
+    if isinstance(style, RowwiseParallel):
+        out = _seq_dim(_layout(style.output_layouts, Replicate()), "", where)
+        if isinstance(mod, nn.Embedding):
+            return PlannedEmbedding(mod, group, out, where)
+        return PlannedRow(mod, group, overlap, out, where)
+    if isinstance(style, PrepareModuleInput):
+        mod.register_forward_pre_hook(_prepare(style, group, where), with_kwargs=True)
+    if isinstance(style, PrepareModuleOutput):
+        mod.register_forward_hook(_prepare(style, group, where))
+    if isinstance(style, SequenceParallel):
+        if isinstance(mod, nn.Dropout):
+            return SequenceParallelDropout(mod.p, style.sequence_dim, group)
+        for param in mod.parameters():
+            param.register_hook(_sum_over(group))
+    return mod
+
+
+def _set_module(root, name, new):
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+
+
+@torch.no_grad()
+def _copy_shards(old, new, group, shared):
+    """Each of `new`'s parameters gets this rank's shard of `old`'s; a parameter `old` shares
+    with a module converted before (a tied weight) becomes the same Parameter again."""
+    for pname, param in list(new.named_parameters(recurse=False)):
+        full = getattr(old, pname)
+        if id(full) in shared:
+            twin, twin_name = shared[id(full)]
+            if twin.shape != param.shape or tensor_parallel_dim(twin) != tensor_parallel_dim(param):
+                raise ValueError(f"{twin_name} and {new.where}.{pname} are one tied weight split "
+                                 f"two ways ({list(twin.shape)} and {list(param.shape)}); split "
+                                 f"both the same way (e.g. both by vocabulary rows)")
+            setattr(new, pname, twin)
+            continue
+        param.copy_(shard(full.detach(), param, group))
+        shared[id(full)] = (param, f"{new.where}.{pname}")
+
+
+def _check_ties(module, matched):
+    """A weight shared with a module the plan splits must be split there too."""
+    split = {id(p) for name, (mod, style) in matched.items()
+             if isinstance(style, (ColwiseParallel, RowwiseParallel)) for p in mod.parameters()}
+    for name, mod in module.named_modules():
+        style = matched.get(name, (None, None))[1]
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for pname, param in mod.named_parameters(recurse=False):
+            if id(param) in split:
+                raise ValueError(f"{name}.{pname} is tied to a weight the plan splits, but "
+                                 f"{name!r} is not split the same way; plan it too")
+
+
+def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicated_grads=None):
+    """Carry out `plan` ({module name pattern: style}) on `module`, in place, over `tp_group`;
+    returns `module`. Every rank must hold the same full weights beforehand (same seed or
+    checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
+    use the ring (parallel_linear.py). `check_replicated_grads` ("first" or N; None: off)
+    checks after backward that every parameter kept whole has the same gradient on every rank.
+
+    Everything is checked before any communication (see the module docstring); then the ranks
+    compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
+    all-gather, so ranks holding different weights or plans are refused on every rank.
+    """
+    check_every_option(check_replicated_grads)
+    p = group_size(tp_group)
+    matched = resolve_plan(module, plan, p)
+    _check_ties(module, matched)
+    values = {f"sum:{n}": repr(t.detach().double().sum().item())
+              for n, t in module.named_parameters()}
+    check_ranks_agree(module_fingerprint(module, plan=repr(sorted(plan.items(), key=repr)),
+                                         overlap=overlap, tp_size=p, **values,
+                                         check_replicated_grads=check_replicated_grads),
+                      tp_group, "models or plans for parallelize_module")
+    shared = {}
+    for name, (mod, style) in matched.items():
+        new = _replacement(name, mod, style, tp_group, overlap)
+        if new is not mod:
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                _copy_shards(mod, new, tp_group, shared)
+            _set_module(module, name, new)
+    record_layouts(module)
+    module.replicated_grads_watch = watch_replicated_gradients(module, tp_group,
+                                                               check_replicated_grads)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# The same plan in PyTorch's own classes
+# ----------------------------------------------------------------------------------------------
+def torch_plan(plan):
+    """`plan` with each style replaced by PyTorch's class of the same name and arguments, for
+    `torch.distributed.tensor.parallel.parallelize_module`. PyTorch has no output_shape: a
+    ColwiseParallel with one splits the rows contiguously there, which equals ours only on a
+    weight whose rows were laid out rank by rank first (`rank_major_rows`). SequenceParallel
+    returns a local tensor there too (use_local_output=True), as ours does; NoParallel entries
+    are left out (PyTorch keeps such a module as it is)."""
+    from torch.distributed.tensor import parallel as tp
+
+    out = {}
+    for key, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            out[key] = tp.ColwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, RowwiseParallel):
+            out[key] = tp.RowwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, SequenceParallel):
+            out[key] = tp.SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=True)
+        elif isinstance(style, PrepareModuleInput):
+            out[key] = tp.PrepareModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                use_local_output=style.use_local_output)
+        elif isinstance(style, PrepareModuleOutput):
+            out[key] = tp.PrepareModuleOutput(
+                output_layouts=style.output_layouts,
+                desired_output_layouts=style.desired_output_layouts,
+                use_local_output=style.use_local_output)
+    return out
+
+
+def rank_major_rows(style, p):
+    """The order of a full weight's rows under which PyTorch's contiguous row split gives rank r
+    exactly the rows `style` (a ColwiseParallel with output_shape) gives it here: `w[order]`
+    for PyTorch, and `grad[order.argsort()]` back. The identity without an output_shape."""
+    if style.output_shape is None:
+        return None
+    return split_rows(tuple(style.output_shape), style.split_dim, p).rows.flatten()
+
+
+__all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "RowwiseParallel", "SequenceParallel",
+           "matching_modules", "parallelize_module", "rank_major_rows", "resolve_plan",
+           "torch_plan"]
