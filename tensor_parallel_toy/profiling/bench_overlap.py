@@ -91,7 +91,7 @@ def _ring_gather_into(full, ring, n):
     ring_all_gather(full[r * n:(r + 1) * n], place, ring)
 
 
-class _Op:
+class Op:
     """The tensors of one op on this rank and its five variants as zero-argument callables."""
 
     def __init__(self, name, s, b, h, f, group, device, dtype, overlap=True):
@@ -193,7 +193,7 @@ def choose_ffn(s, b, h, group, device, dtype, ratio=TARGET_COMM_OVER_GEMM):
     p = dist.get_world_size(group)
     f = 4 * h
     for _ in range(2):  # GEMM time is close to linear in f: two refinements are enough
-        op = _Op("column_fwd", s, b, h, f, group, device, dtype)
+        op = Op("column_fwd", s, b, h, f, group, device, dtype)
         for _ in range(3):
             op.comm(), op.gemm()
         t_comm = _median_max(op.comm, device, group, 9)
@@ -219,7 +219,7 @@ def run(spec):
         calibrated = True
     raw = {}
     for name in OPS:
-        op = _Op(name, s, b, h, f, group, device, dtype, spec.overlap)
+        op = Op(name, s, b, h, f, group, device, dtype, spec.overlap)
         fns = {v: getattr(op, v) for v in VARIANTS}
         for _ in range(spec.bench_warmup):
             for fn in fns.values():

@@ -28,7 +28,7 @@ import torch
 from ..interop import dtensor_tp
 from ..config import ModelConfig
 from ..launcher.initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
-from . import link, report, sweep, wire
+from . import link, report, sweep, wire, wire_sweep
 from .data import CORPUS_VOCAB
 from .phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases, under_torchrun,
                      write_outputs)
@@ -145,7 +145,9 @@ def build_parser():
                    "profiling/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep of tp "
                    "and tp_overlap over them and loopback, written to sweep.json and sweep.png. "
                    "model:RATE[:LATENCY] (e.g. model:1gbit, model:4gbit:50us): a model of a "
-                   "wire that costs the cores nothing, no root needed (profiling/wire.py)")
+                   "wire that costs the cores nothing, no root needed (profiling/wire.py); "
+                   "several (model:0.25gbit,1gbit,4gbit): the column forward swept over "
+                   "them and over ring pieces, wire_sweep.json and wire_sweep.png")
     p.add_argument("--ring-pieces", type=int, default=d.ring_pieces, metavar="M",
                    help=f"tp_overlap: cut each ring chunk into M transfers, a piece's GEMM "
                         f"starting as soon as it is here (overlap=M; default {d.ring_pieces})")
@@ -234,7 +236,7 @@ def parse_args(argv, env=os.environ):
                          f"{args.tp}: each rank's {args.seq / args.tp:g} sequence rows must cut "
                          f"into {args.ring_pieces} equal pieces; use a --seq that is a multiple "
                          f"of {args.tp * args.ring_pieces}")
-    args.wire = None
+    args.wire, args.wire_rates = None, None
     if wire.is_model(args.link):
         args.wire = _check_wire(args, env)
         args.link = None
@@ -265,7 +267,7 @@ def _check_wire(args, env):
         raise UsageError(f"--link {args.link}: the modeled wire stands in for a network between "
                          f"CPU ranks (gloo); it cannot be combined with --device cuda")
     try:
-        description = wire.parse(args.link)
+        args.wire_rates = wire.parse_rates(args.link)
     except ValueError as e:
         raise UsageError(str(e)) from None
     unseen = [m for m in args.modes if m in ("dtensor", "hf_dtensor")]
@@ -273,7 +275,7 @@ def _check_wire(args, env):
         raise UsageError(f"--link {args.link} with --modes {','.join(unseen)}: DTensor's "
                          f"collectives do not cross the modeled wire; leave them out of --modes")
     args.modes = [m for m in args.modes if m not in unseen]
-    return description
+    return args.wire_rates[0] if len(args.wire_rates) == 1 else None
 
 
 def _check_hf_dtensor(config, tp):
@@ -372,6 +374,8 @@ def main(argv=None):
     args.argv = argv
     if args.link is not None:
         return _run_on_link(args, argv)
+    if args.wire_rates and len(args.wire_rates) > 1:  # several modeled rates: the op sweep
+        return wire_sweep.run(args)
     start = time.perf_counter()
     if under_torchrun(os.environ):
         try:  # the first collective: where a wrong address or network interface shows

@@ -322,3 +322,37 @@ def plot_sweep(sweep, path):
                  f"x seq {sweep['meta']['seq']}, {sweep['meta']['dtype']}")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # off the data
     save(fig, path)
+
+
+def plot_wire_sweep(sweep, path):
+    """The column forward on the modeled wire, time / GEMM alone against comm / GEMM alone:
+    measured per number of ring pieces m, the schedule bound for each m, and the two lines
+    every schedule lies between (nothing hidden, and max(comm, GEMM))."""
+    points = sweep["points"]
+    pieces = sorted({q["pieces"] for q in points})
+    colors = plt.get_cmap("viridis")([0.85 * i / max(1, len(pieces) - 1)
+                                      for i in range(len(pieces))])
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ratios = sorted(q["comm_over_gemm"] for q in points)
+    grid = [ratios[0] * (ratios[-1] / ratios[0]) ** (i / 60) for i in range(61)]
+    ax.plot(grid, [1 + x for x in grid], color="#888888", linewidth=1.2, linestyle=":",
+            label="nothing hidden: comm + GEMM")
+    ax.plot(grid, [max(1.0, x) for x in grid], color="#d62728", linewidth=1.5,
+            label="the limit: max(comm, GEMM)")
+    for m, color in zip(pieces, colors):
+        mine = sorted((q for q in points if q["pieces"] == m), key=lambda q: q["comm_over_gemm"])
+        x = [q["comm_over_gemm"] for q in mine]
+        ax.plot(x, [q["bound_ms"] / q["t_gemm_ms"] for q in mine], color=color, linewidth=1,
+                linestyle="--", label=f"schedule bound, {m} piece{'s' if m > 1 else ''}")
+        ax.plot(x, [q["t_overlap_ms"] / q["t_gemm_ms"] for q in mine], color=color,
+                marker="o", linewidth=1.5, label=f"measured, overlap={m}")
+    ax.set_xscale("log")
+    ax.set_xlabel("comm / GEMM, each alone (the wire's rate sets comm)")
+    ax.set_ylabel("op time / GEMM alone")
+    ax.set_ylim(bottom=0)
+    sh = sweep["shape"]
+    ax.set_title(f"Column forward (all-gather + GEMM), p={sh['p']}, on a MODELED wire (not a "
+                 f"network):\ncompute-bound on the left, communication-bound on the right",
+                 fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    save(fig, path)

@@ -62,6 +62,11 @@ def parse(text):
                     "meanwhile (not a measurement of a network)"}
 
 
+def parse_rates(text):
+    """'model:1gbit' or 'model:0.5gbit,1gbit,2gbit[:LATENCY on each]' -> [description, ...]."""
+    return [parse(PREFIX + part) for part in text[len(PREFIX):].split(",")]
+
+
 def _split_unit(text, units):
     for unit in sorted(units, key=len, reverse=True):
         if text.endswith(unit):

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.comm import all_gather_seq
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases, wire
+from tensor_parallel_toy.profiling import phases, plots, wire, wire_sweep
 from tensor_parallel_toy.profiling.bench_overlap import schedule_time
+from tensor_parallel_toy.profiling.spec import ProfileSpec
 from tensor_parallel_toy.ring import Ring
 
 RATE = "1gbit"
@@ -125,3 +126,20 @@ def test_a_profile_on_the_modeled_wire_says_it_is_a_model(pools, tmp_path):
     assert saved["overlap_benchmark"]["shape"]["pieces"] == 2
     for row in saved["overlap_benchmark"]["ops"].values():
         assert row["schedule_bound_ms"] > 0 and row["overlap_over_bound"] > 0, row
+
+
+def test_wire_sweep_times_each_rate_and_piece_count_and_draws_them(pools, tmp_path):
+    """Every (rate, m) point of the op sweep comes back with its bound between the limit
+    max(comm, GEMM) and nothing hidden, comm + GEMM; the picture is drawn from them."""
+    spec = ProfileSpec(tp=2)
+    rates = [wire.parse("model:2gbit"), wire.parse("model:16gbit")]
+    points = wire_sweep.measure(pools(2), spec, rates, (16, 2, 32, 64), rounds=2,
+                                pieces=(1, 2), say=lambda line: None)
+    assert [(q["rate"], q["pieces"]) for q in points] == \
+        [("2gbit", 1), ("2gbit", 2), ("16gbit", 1), ("16gbit", 2)]
+    for q in points:
+        assert q["max_ms"] * 0.999 <= q["bound_ms"] <= q["sum_ms"] * 1.001, q
+        assert q["t_overlap_ms"] > 0 and q["comm_over_gemm"] > 0, q
+    path = tmp_path / "wire_sweep.png"
+    plots.plot_wire_sweep({"points": points, "shape": {"p": 2}}, str(path))
+    assert path.stat().st_size > 10_000
