@@ -11,13 +11,13 @@ import sys
 def _test(extra_args):
     import pytest
 
-    from .initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
+    from .initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity, share_gpu_route
 
     gpus = gpu_count()
     shared = nccl_rank_capacity() > gpus
     print("tensor_parallel_toy test: ranks are CPU processes over gloo"
-          + (f"; the NCCL tests also run, their ranks sharing 1 GPU ({SHARE_GPU_ENV}=1: a "
-             f"correctness run, its speed means nothing)" if shared else
+          + (f"; the NCCL tests also run, their ranks sharing 1 GPU {share_gpu_route()} "
+             f"({SHARE_GPU_ENV}=1: a correctness run, its speed means nothing)" if shared else
              f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
@@ -60,8 +60,8 @@ def main(argv=None):
                         "them; `profile --help` lists the flags")
     sub.add_parser("gpu-check", add_help=False,
                    help="run the NCCL tests, the CUDA stream sanitizer, a profile and a "
-                        "large-shape overlap benchmark on this machine's GPUs; "
-                        "`gpu-check --help` lists the flags")
+                        "large-shape overlap benchmark on this machine's GPUs (--rehearse: "
+                        "the same steps on CPU); `gpu-check --help` lists the flags")
     sub.add_parser("blog", help="redraw the posts' conceptual figures and render blog/src/*.md "
                                 "with the numbers of the committed profile runs")
     args, extra = parser.parse_known_args(argv)

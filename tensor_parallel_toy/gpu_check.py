@@ -195,8 +195,9 @@ def run_step(step, out, timeout_s=None):
     if step.results and not os.path.exists(os.path.join(step.results, "results.json")):
         return Outcome(step, "FAILED", seconds, f"exit 0 but no {step.results}/results.json",
                        [])
-    where = f"; results in {step.results}/" if step.results else f"; log {log_name}"
-    return Outcome(step, "passed", seconds, counts.lstrip(", ") + where, [])
+    where = f"results in {step.results}/" if step.results else f"log {log_name}"
+    return Outcome(step, "passed", seconds, "; ".join(filter(None, [counts.lstrip(", "), where])),
+                   [])
 
 
 def _test_counts(report):

@@ -7,14 +7,14 @@ timing favours it, so the plain layer tests (test_parallel_linear.py) can pass w
 bug, on gloo as on NCCL; and the CUDA stream sanitizer cannot see NCCL's stream (gpu_check.py).
 
 Here each transfer is made to land at one of the two extremes, deterministically, by a stand-in
-for `Ring.shift` inside the worker ranks: "at-post" moves the bytes before `shift` returns,
-"at-wait" only inside `wait()`; "real" leaves the backend alone. The overlapped column and row
+for `Ring.shift` inside the worker ranks: "at_post" moves the bytes before `shift` returns,
+"at_wait" only inside `wait()`; "real" leaves the backend alone. The overlapped column and row
 layers must match F.linear every way; and three broken rings, put in place of ring.py's
 functions inside the workers, must make that same check fail:
-- "wait-dropped": the all-gather never waits, so it consumes a chunk that has not arrived;
-- "send-rewritten": the reduce-scatter writes its next partial sum into the accumulator it is
+- "wait_dropped": the all-gather never waits, so it consumes a chunk that has not arrived;
+- "send_rewritten": the reduce-scatter writes its next partial sum into the accumulator it is
   still sending (a buffer written again before its transfer's wait);
-- "one-spare": the all-gather keeps one spare buffer, so from step 2 on it receives into the
+- "one_spare": the all-gather keeps one spare buffer, so from step 2 on it receives into the
   chunk it is still sending and consuming (why ring.py keeps two).
 Each is caught at the extreme that exposes it; at the other, or on "real" timing, it may pass.
 """
@@ -56,7 +56,7 @@ def _landing_at_wait(shift):
     return at_wait
 
 
-LANDINGS = {"real": None, "at-post": _landing_at_post, "at-wait": _landing_at_wait}
+LANDINGS = {"real": None, "at_post": _landing_at_post, "at_wait": _landing_at_wait}
 
 
 def _all_gather_wait_dropped(shard, shard_consumer, ring):
@@ -98,9 +98,9 @@ def _all_gather_one_spare(shard, shard_consumer, ring):
             current = spare
 
 
-BROKEN = {"wait-dropped": ("ring_all_gather", _all_gather_wait_dropped),
-          "send-rewritten": ("ring_reduce_scatter", _reduce_scatter_send_rewritten),
-          "one-spare": ("ring_all_gather", _all_gather_one_spare)}
+BROKEN = {"wait_dropped": ("ring_all_gather", _all_gather_wait_dropped),
+          "send_rewritten": ("ring_reduce_scatter", _reduce_scatter_send_rewritten),
+          "one_spare": ("ring_all_gather", _all_gather_one_spare)}
 
 
 @contextmanager
@@ -158,7 +158,7 @@ def _on_rank_overlapped_layer_errors(landing, broken=None):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("landing", list(LANDINGS))
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2, 3], ids=["tp2", "tp3"])
 def test_overlapped_layers_match_plain_pytorch_however_the_ring_transfers_land(pools, tp, landing,
                                                                                backend):
     assert_errors(pools(tp, backend).run(_on_rank_overlapped_layer_errors, landing), FP32_TOL,
@@ -167,9 +167,9 @@ def test_overlapped_layers_match_plain_pytorch_however_the_ring_transfers_land(p
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("broken, tp, landing", [
-    ("wait-dropped", 2, "at-wait"),
-    ("send-rewritten", 2, "at-wait"),
-    ("one-spare", 3, "at-post"),
+    pytest.param("wait_dropped", 2, "at_wait", id="wait_dropped-tp2-at_wait"),
+    pytest.param("send_rewritten", 2, "at_wait", id="send_rewritten-tp2-at_wait"),
+    pytest.param("one_spare", 3, "at_post", id="one_spare-tp3-at_post"),
 ])
 def test_the_overlapped_layer_check_fails_for_a_ring_that_breaks_its_buffer_contract(
         pools, broken, tp, landing, backend):
