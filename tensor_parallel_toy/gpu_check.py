@@ -141,11 +141,14 @@ def _tee(stream, log):
     """Copy a child's output to the screen and its log as it comes (pytest's progress dots
     come without a newline, so not line by line)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    for chunk in iter(lambda: stream.read1(1 << 14), b""):
-        log.write(chunk)
-        log.flush()
-        sys.stdout.write(decoder.decode(chunk))
-        sys.stdout.flush()
+    try:
+        for chunk in iter(lambda: stream.read1(1 << 14), b""):
+            log.write(chunk)
+            log.flush()
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+    except (OSError, ValueError):  # the step was stopped and its log closed: nothing to copy
+        pass
 
 
 def _stop(proc):
@@ -180,6 +183,7 @@ def run_step(step, out, timeout_s=None):
             _stop(proc)
             raise
         pump.join(timeout=10)
+        proc.stdout.close()
     seconds = time.perf_counter() - start
     log_name = os.path.basename(log_path)
     if code is None:
@@ -308,17 +312,26 @@ def main(argv=None, gpus=None):
                f"correctness, not speed" if shared else "")
     print(f"{PROG}{' --rehearse' if args.rehearse else ''}: {len(steps)} steps, results in "
           f"{out}/" + (f"; {sharing}" if shared else ""), flush=True)
-    outcomes = []
+    outcomes, interrupted = [], False
     for step in steps:
         env = " ".join(f"{k}={v}" for k, v in step.env.items())
         print(f"\n=== {step.name}: {step.what}\n    {env + ' ' if env else ''}"
               f"{shlex.join(step.argv)}", flush=True)
-        outcomes.append(run_step(step, out, args.step_timeout))
+        try:
+            outcomes.append(run_step(step, out, args.step_timeout))
+        except KeyboardInterrupt:
+            interrupted = True
+            outcomes.append(Outcome(step, "FAILED", 0.0, "interrupted (Ctrl-C): stopped, with "
+                                    "every step after it", []))
         print(f"=== {step.name}: {outcomes[-1].status}, {outcomes[-1].detail}", flush=True)
+        if interrupted:
+            break
     skipped = [("large-overlap", "two ranks on one GPU: timings mean nothing")] if shared else []
     text = summary(outcomes, out, skipped, _machine(planned, args.rehearse), sharing,
                    args.rehearse)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(text)
     print(f"\n{text}", end="", flush=True)
+    if interrupted:
+        return 130
     return 0 if all(o.status == "passed" for o in outcomes) else 1
