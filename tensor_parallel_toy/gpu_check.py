@@ -9,14 +9,14 @@ Steps, each its own process, in order:
    CUDA stream sanitizer (https://pytorch.org/docs/stable/cuda._sanitizer.html). What it sees:
    the kernels PyTorch launches on its own streams and the tensors each reads and writes; it
    reports a kernel that uses a tensor another PyTorch stream may still be using. What it does
-   not see: NCCL's internal stream. It records a c10d send, receive or collective as an access
-   on the stream current when it was posted, not on the stream where NCCL moves the bytes, so
-   a ring that writes a buffer again before its transfer's `wait()` (or drops the wait) looks
-   correct to it: it cannot catch ring-buffer reuse by itself. The tests that can are in step
-   1: tests/test_ring_buffers.py makes every transfer land at once or only at its `wait()`,
-   checks the overlapped layers against F.linear both ways, and checks that the same layer
-   check fails for three broken rings (a dropped wait, a send buffer written before its wait,
-   a receive into the buffer still in use).
+   not see: NCCL's internal stream. A c10d send, receive or collective is at most recorded as
+   an access on the stream that was current when it was posted, not on the stream where NCCL
+   moves the bytes, so a ring that writes a buffer again before its transfer's `wait()` (or
+   drops the wait) looks correct to it: it cannot catch ring-buffer reuse by itself. The tests
+   that can are in step 1: tests/test_ring_buffers.py makes every transfer land at once or
+   only at its `wait()`, checks the overlapped layers against F.linear both ways, and checks
+   that the same layer check fails for three broken rings (a dropped wait, a send buffer
+   written before its wait, a receive into the buffer still in use).
 3. profile: a short default profile on NCCL (every phase, all modes).
 4. large-overlap: the overlap benchmark at a shape where GEMMs and transfers take milliseconds
    (s=8192, b=1, h=4096, m=16384, bf16), with tp and tp_overlap trained beside it: the numbers
@@ -54,7 +54,8 @@ import threading
 import time
 import xml.etree.ElementTree as ElementTree
 
-from .initialize import SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_route
+from .initialize import (SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_requested,
+                         share_gpu_route)
 
 PROG = "python -m tensor_parallel_toy gpu-check"
 LARGE_SHAPE = "8192,1,4096,16384"  # s, b, h, m: 64 MiB of bf16 activations per rank and step
@@ -89,9 +90,9 @@ class Outcome:
 
 def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None):
     """The steps for a machine with `gpus` GPUs (see the module docstring), writing under `out`;
-    `rehearse`: the same steps on CPU/gloo at a tiny size; `tests`: a pytest -k expression the
-    test steps' tests must also match. Raises ValueError (one line) where the machine cannot
-    run them."""
+    `rehearse`: the same steps on CPU/gloo at a tiny size; `tests`: a pytest -k expression:
+    both test steps then run the backend's tests that match it, instead of their own selection.
+    Raises ValueError (one line) where the machine cannot run them."""
     if gpus == 0:
         raise ValueError("no CUDA GPU here: nothing to check (run it on a machine with NVIDIA "
                          "GPUs; the CPU suite is `bash run_tests.sh`, the same steps on CPU "
@@ -106,7 +107,7 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
     package = [python, "-m", "tensor_parallel_toy"]
 
     def test_step(name, selection, extra_env, what):
-        selection += f" and ({tests})" if tests else ""
+        selection = f"{backend} and ({tests})" if tests else selection
         report = os.path.join(out, f"{name}.xml")
         return Step(name, [*package, "test", "-k", selection, f"--junitxml={report}"],
                     {**env, **extra_env}, what, timeout_s=STEP_TIMEOUT_S[name], report=report)
@@ -271,7 +272,8 @@ def _parser():
                    help="run every step on CPU/gloo at a tiny size, as a GPU run would (with "
                         "--share-gpu: the one-GPU plan); works without a GPU")
     p.add_argument("--tests", default=None, metavar="EXPR",
-                   help="the test steps run only the tests that also match pytest -k EXPR")
+                   help="both test steps run only the NCCL tests (gloo with --rehearse) that "
+                        "match pytest -k EXPR, e.g. to run a failed one again")
     p.add_argument("--step-timeout", type=float, default=None, metavar="S",
                    help="seconds each step may take before it is stopped (default per step: "
                         + ", ".join(f"{k} {v:g}" for k, v in STEP_TIMEOUT_S.items()) + ")")
@@ -287,7 +289,7 @@ def main(argv=None, gpus=None):
                if flag not in ("", "0", "1") else
                f"--step-timeout {args.step_timeout:g}: must be a positive number of seconds"
                if args.step_timeout is not None and not args.step_timeout > 0 else None)
-    share = args.share_gpu or flag == "1"
+    share = args.share_gpu or share_gpu_requested()
     if gpus is None:
         gpus = 0 if args.rehearse else gpu_count()
     planned = (1 if share else 2) if args.rehearse or (args.dry_run and gpus == 0) else gpus

@@ -93,7 +93,7 @@ def share_gpu_env(rank, version=None):
       NCCL refuses a second rank on a GPU ("Multiple Ranks are using the same GPU").
     - older NCCL: each rank claims to be its own host (a per-rank NCCL_HOSTID), so NCCL does not
       refuse the second rank ("Duplicate GPU detected") and connects the ranks through sockets
-      on loopback. NCCL's maintainers do not support this (NVIDIA/nccl#418, #1241).
+      on loopback. NCCL's maintainers do not support this (NVIDIA/nccl#418).
     Either way the ranks share the GPU's SMs, so timings mean nothing; it runs the real NCCL
     code path, which is what a correctness check on one GPU needs."""
     version = nccl_version() if version is None else version

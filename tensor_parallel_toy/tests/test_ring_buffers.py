@@ -16,7 +16,8 @@ functions inside the workers, must make that same check fail:
   still sending (a buffer written again before its transfer's wait);
 - "one_spare": the all-gather keeps one spare buffer, so from step 2 on it receives into the
   chunk it is still sending and consuming (why ring.py keeps two).
-Each is caught at the extreme that exposes it; at the other, or on "real" timing, it may pass.
+Each is caught at the extreme that exposes it. At the other it may pass; on real timing it may
+pass, fail or hang (on gloo, a dropped wait leaves a later transfer waiting for its peer).
 """
 import math
 from contextlib import contextmanager
