@@ -103,7 +103,8 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
                          f"run: its speed means nothing)")
     env = {SHARE_GPU_ENV: "1"} if gpus == 1 else {}
     backend, device = ("gloo", "cpu") if rehearse else ("nccl", "cuda")
-    sizes = TINY_MODEL if rehearse else ["--steps", "20"]
+    # On CPU a fixed benchmark shape: calibrating one (what a GPU run does) takes seconds.
+    sizes = [*TINY_MODEL, "--bench-shape", "16,2,32,64"] if rehearse else ["--steps", "20"]
     package = [python, "-m", "tensor_parallel_toy"]
 
     def test_step(name, selection, extra_env, what):
