@@ -11,20 +11,23 @@ import sys
 def _test(extra_args):
     import pytest
 
-    from .launcher.initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
+    from .launcher.initialize import (SHARE_GPU_ENV, gpu_count, nccl_rank_capacity,
+                                      share_gpu_route)
 
     gpus = gpu_count()
     shared = nccl_rank_capacity() > gpus
     print("tensor_parallel_toy test: ranks are CPU processes over gloo"
-          + (f"; the NCCL tests also run, their ranks sharing 1 GPU ({SHARE_GPU_ENV}=1: a "
-             f"correctness run, its speed means nothing)" if shared else
+          + (f"; the NCCL tests also run, their ranks sharing 1 GPU {share_gpu_route()} "
+             f"({SHARE_GPU_ENV}=1: a correctness run, its speed means nothing)" if shared else
              f"; the NCCL tests also run, on {gpus} GPUs" if gpus >= 2 else
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
     # Test files named on the command line replace the default: the whole suite.
     targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [tests_dir]
+    # Plugins the suite does not use, where installed: each one slows every start (gpu-check
+    # starts the suite twice).
     code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
-                         *extra_args])
+                        "-p", "no:hypothesispytest", *extra_args])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("error: no tests were collected: a test run that tests nothing is a failure",
               file=sys.stderr)
@@ -60,8 +63,8 @@ def main(argv=None):
                         "them; `profile --help` lists the flags")
     sub.add_parser("gpu-check", add_help=False,
                    help="run the NCCL tests, the CUDA stream sanitizer, a profile and a "
-                        "large-shape overlap benchmark on this machine's GPUs; "
-                        "`gpu-check --help` lists the flags")
+                        "large-shape overlap benchmark on this machine's GPUs (--rehearse: "
+                        "the same steps on CPU); `gpu-check --help` lists the flags")
     sub.add_parser("blog", help="redraw the posts' conceptual figures and render blog/src/*.md "
                                 "with the numbers of the committed profile runs")
     args, extra = parser.parse_known_args(argv)

@@ -4,30 +4,68 @@ the GPUs of this machine, in one command.
 Steps, each its own process, in order:
 1. nccl-tests: the suite's NCCL variants (the layers on multi-MB transfers, strided inputs,
    subgroups, bf16, the whole model, the profile's phases with every collective checked for
-   its device); `pytest -k nccl`.
+   its device, and the ring-buffer tests below); `pytest -k nccl`.
 2. sanitizer: the overlapped layers' NCCL tests again under TORCH_CUDA_SANITIZER=1, PyTorch's
-   CUDA stream sanitizer, which reports a kernel that reads a tensor another stream may still
-   be writing (https://pytorch.org/docs/stable/cuda._sanitizer.html).
+   CUDA stream sanitizer (https://pytorch.org/docs/stable/cuda._sanitizer.html). What it sees:
+   the kernels PyTorch launches on its own streams and the tensors each reads and writes; it
+   reports a kernel that uses a tensor another PyTorch stream may still be using. What it does
+   not see: NCCL's internal stream. A c10d send, receive or collective is at most recorded as
+   an access on the stream that was current when it was posted, not on the stream where NCCL
+   moves the bytes, so a ring that writes a buffer again before its transfer's `wait()` (or
+   drops the wait) looks correct to it: it cannot catch ring-buffer reuse by itself. The tests
+   that can are in step 1: tests/test_ring_buffers.py makes every transfer land at once or
+   only at its `wait()`, checks the overlapped layers against F.linear both ways, and checks
+   that the same layer check fails for three broken rings (a dropped wait, a send buffer
+   written before its wait, a receive into the buffer still in use).
 3. profile: a short default profile on NCCL (every phase, all modes).
 4. large-overlap: the overlap benchmark at a shape where GEMMs and transfers take milliseconds
    (s=8192, b=1, h=4096, m=16384, bf16), with tp and tp_overlap trained beside it: the numbers
    a post about GPUs would quote.
 
-With one GPU, `--share-gpu` runs two ranks on it (TENSOR_PARALLEL_TOY_SHARE_GPU=1: each rank
-claims its own NCCL host id; see initialize.share_gpu_env): the NCCL code path for real, but
-the ranks share one GPU's SMs and talk through sockets, so steps 1-3 check correctness only and
-step 4 is skipped. Without a GPU it says so in one line and exits with status 2.
+Each step has a time limit generous enough for two ranks time-slicing one GPU (`--step-timeout`
+overrides it); a step past it is stopped, with every rank it started, and reported as timed out.
+Each step's output goes to the screen and to OUT/<step>.log (the test steps also write
+OUT/<step>.xml, pytest's JUnit report); the summary, printed last and written to
+OUT/summary.txt, starts with one line saying what passed, what failed and where the results
+are: the block to paste back.
+
+Ranks share one GPU with `--share-gpu` or TENSOR_PARALLEL_TOY_SHARE_GPU=1 (the same switch: the
+flag sets the variable for every step). With one GPU one of them is required; two ranks then
+run on it, through NCCL's own NCCL_MULTI_RANK_GPU_ENABLE where torch's NCCL has it (>= 2.30),
+else a per-rank NCCL_HOSTID (see initialize.share_gpu_env); the summary says which. That is the
+NCCL code path for real, but the ranks share one GPU's SMs, so steps 1-3 check correctness only
+and step 4 is skipped. Without a GPU it says so in one line and exits with status 2.
+
+`--rehearse` runs the same steps through the same code on CPU: gloo instead of NCCL, `-k gloo`
+instead of `-k nccl`, `--device cpu`, a tiny model and benchmark shape, and no sanitizer
+variable (it needs CUDA). The step list, the subprocesses, the time limits, the result files
+and the summary are what a GPU run uses, so only NCCL and CUDA themselves are new there.
 """
 import argparse
+import codecs
 import dataclasses
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+import xml.etree.ElementTree as ElementTree
+
+from .initialize import (SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_requested,
+                         share_gpu_route)
 
 PROG = "python -m tensor_parallel_toy gpu-check"
 LARGE_SHAPE = "8192,1,4096,16384"  # s, b, h, m: 64 MiB of bf16 activations per rank and step
+# Seconds per step: two ranks time-slicing one GPU over sockets run the suite's NCCL tests
+# several times slower than two GPUs do, and the sanitizer slows every kernel launch.
+STEP_TIMEOUT_S = {"nccl-tests": 1800, "sanitizer": 1800, "profile": 1200, "large-overlap": 1800}
+# The rehearsal's sizes: the same flags as on a GPU, at a size a CPU runs in seconds.
+TINY_MODEL = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
+              "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
+              "--timeline-iters", "1"]
 
 
 @dataclasses.dataclass
@@ -37,46 +75,209 @@ class Step:
     env: dict
     what: str
     results: str = None  # the folder it writes, if any
+    timeout_s: float = 1800.0
+    report: str = None  # a test step's JUnit XML file
 
 
-def plan(gpus, share_gpu, out, python=sys.executable):
-    """The steps for a machine with `gpus` GPUs (see the module docstring), writing under `out`.
+@dataclasses.dataclass
+class Outcome:
+    step: Step
+    status: str  # "passed", "FAILED", "TIMED OUT"
+    seconds: float
+    detail: str  # one line: counts, exit status or time limit
+    evidence: list  # a failed step's lines worth pasting back (its FAILED/ERROR lines)
+
+
+def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None):
+    """The steps for a machine with `gpus` GPUs (see the module docstring), writing under `out`;
+    `rehearse`: the same steps on CPU/gloo at a tiny size; `tests`: a pytest -k expression:
+    both test steps then run the backend's tests that match it, instead of their own selection.
     Raises ValueError (one line) where the machine cannot run them."""
     if gpus == 0:
         raise ValueError("no CUDA GPU here: nothing to check (run it on a machine with NVIDIA "
-                         "GPUs; the CPU suite is `bash run_tests.sh`)")
+                         "GPUs; the CPU suite is `bash run_tests.sh`, the same steps on CPU "
+                         "`gpu-check --rehearse`)")
     if gpus == 1 and not share_gpu:
-        raise ValueError("1 CUDA GPU: the NCCL tests need 2 ranks; add --share-gpu to run two "
-                         "ranks on this one GPU (a correctness run: its speed means nothing)")
-    env = {"TENSOR_PARALLEL_TOY_SHARE_GPU": "1"} if gpus == 1 else {}
+        raise ValueError(f"1 CUDA GPU: the NCCL tests need 2 ranks; add --share-gpu (or set "
+                         f"{SHARE_GPU_ENV}=1) to run two ranks on this one GPU (a correctness "
+                         f"run: its speed means nothing)")
+    env = {SHARE_GPU_ENV: "1"} if gpus == 1 else {}
+    backend, device = ("gloo", "cpu") if rehearse else ("nccl", "cuda")
+    # On CPU a fixed benchmark shape: calibrating one (what a GPU run does) takes seconds.
+    sizes = [*TINY_MODEL, "--bench-shape", "16,2,32,64"] if rehearse else ["--steps", "20"]
     package = [python, "-m", "tensor_parallel_toy"]
+
+    def test_step(name, selection, extra_env, what):
+        selection = f"{backend} and ({tests})" if tests else selection
+        report = os.path.join(out, f"{name}.xml")
+        return Step(name, [*package, "test", "-k", selection, f"--junitxml={report}"],
+                    {**env, **extra_env}, what, timeout_s=STEP_TIMEOUT_S[name], report=report)
+
+    def profile_step(name, flags, what):
+        results = os.path.join(out, name)
+        return Step(name, [*package, "profile", "--device", device, *flags, "--out", results],
+                    env, what, results, STEP_TIMEOUT_S[name])
+
     steps = [
-        Step("nccl-tests", [*package, "test", "-k", "nccl"], env,
-             "the suite's NCCL variants"),
-        Step("sanitizer", [*package, "test", "-k", "nccl and overlap"],
-             {**env, "TORCH_CUDA_SANITIZER": "1"},
-             "the overlapped layers' NCCL tests under the CUDA stream sanitizer"),
-        Step("profile", [*package, "profile", "--device", "cuda", "--steps", "20",
-                         "--out", os.path.join(out, "profile")], env,
-             "a short profile on NCCL, every phase", os.path.join(out, "profile")),
+        test_step("nccl-tests", backend, {}, f"the suite's {backend} variants"),
+        test_step("sanitizer", f"{backend} and overlap",
+                  {} if rehearse else {"TORCH_CUDA_SANITIZER": "1"},
+                  f"the overlapped layers' {backend} tests"
+                  + (" (the CUDA stream sanitizer needs CUDA: left out)" if rehearse else
+                     " under the CUDA stream sanitizer")),
+        profile_step("profile", sizes, f"a short profile on {backend}, every phase"),
     ]
     if gpus >= 2:
-        steps.append(Step(
+        shape = "16,1,32,64" if rehearse else LARGE_SHAPE
+        steps.append(profile_step(
             "large-overlap",
-            [*package, "profile", "--device", "cuda", "--dtype", "bf16", "--modes",
-             "tp,tp_overlap", "--steps", "30", "--bench-iters", "30", "--bench-shape",
-             LARGE_SHAPE, "--timeline-iters", "11", "--out", out], env,
-            f"the overlap benchmark at s,b,h,m = {LARGE_SHAPE}, bf16", out))
+            ["--dtype", "bf16", "--modes", "tp,tp_overlap",
+             *(TINY_MODEL if rehearse else ["--steps", "30", "--bench-iters", "30",
+                                            "--timeline-iters", "11"]),
+             "--bench-shape", shape],
+            f"the overlap benchmark at s,b,h,m = {shape}, bf16"))
     return steps
+
+
+def _tee(stream, log):
+    """Copy a child's output to the screen and its log as it comes (pytest's progress dots
+    come without a newline, so not line by line)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    try:
+        for chunk in iter(lambda: stream.read1(1 << 14), b""):
+            log.write(chunk)
+            log.flush()
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+    except (OSError, ValueError):  # the step was stopped and its log closed: nothing to copy
+        pass
+
+
+def _stop(proc):
+    """Kill the step and everything it started: its ranks are in its process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_step(step, out, timeout_s=None):
+    """Run one step, its output to the screen and OUT/<step>.log, stopped (with every process
+    it started) after `timeout_s` (default: the step's own limit). Returns its Outcome."""
+    timeout_s = step.timeout_s if timeout_s is None else timeout_s
+    log_path = os.path.join(out, f"{step.name}.log")
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        # A session of its own: one kill reaches the ranks the step spawned, and Ctrl-C here
+        # stops the step through `_stop` instead of leaving it half-killed.
+        proc = subprocess.Popen(step.argv, env={**os.environ, **step.env},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        pump = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
+        pump.start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            code = None
+        except BaseException:
+            _stop(proc)
+            raise
+        pump.join(timeout=10)
+        proc.stdout.close()
+    seconds = time.perf_counter() - start
+    log_name = os.path.basename(log_path)
+    if code is None:
+        return Outcome(step, "TIMED OUT", seconds,
+                       f"stopped after {timeout_s:g} s, the step's time limit; log {log_name}",
+                       _evidence(log_path))
+    counts, ran = _test_counts(step.report)
+    if code != 0:
+        return Outcome(step, "FAILED", seconds, f"exit {code}{counts}; log {log_name}",
+                       _evidence(log_path))
+    if step.report and not ran:
+        return Outcome(step, "FAILED", seconds, f"no test ran{counts}; log {log_name}", [])
+    if step.results and not os.path.exists(os.path.join(step.results, "results.json")):
+        return Outcome(step, "FAILED", seconds, f"exit 0 but no {step.results}/results.json",
+                       [])
+    where = f"results in {step.results}/" if step.results else f"log {log_name}"
+    return Outcome(step, "passed", seconds, "; ".join(filter(None, [counts.lstrip(", "), where])),
+                   [])
+
+
+def _test_counts(report):
+    """(', N passed, M failed, K skipped' from a JUnit report, number passed); ('', 0) if
+    there is none."""
+    try:
+        suite = ElementTree.parse(report).getroot()
+    except (OSError, TypeError, ElementTree.ParseError):
+        return "", 0
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in
+                                      ("tests", "failures", "errors", "skipped"))
+    passed = total - failed - errors - skipped
+    parts = [f"{n} {word}" for n, word in ((passed, "passed"), (failed, "failed"),
+                                           (errors, "errors"), (skipped, "skipped")) if n]
+    return ", " + ", ".join(parts or ["0 tests"]), passed
+
+
+def _evidence(log_path, most=8):
+    """A failed step's pytest FAILED/ERROR lines, or else its last lines."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [line.rstrip() for line in f if line.strip()]
+    picked = [line for line in lines if re.match(r"(FAILED|ERROR) ", line)]
+    return (picked or lines[-3:])[:most]
+
+
+def summary(outcomes, out, skipped=(), machine="", sharing="", rehearse=False):
+    """The summary block; its first line says what passed, what failed and where the results
+    are."""
+    bad = {status: [o.step.name for o in outcomes if o.status == status]
+           for status in ("FAILED", "TIMED OUT")}
+    passed = sum(o.status == "passed" for o in outcomes)
+    head = (f"{PROG}{' --rehearse' if rehearse else ''}: {passed} of {len(outcomes)} steps "
+            f"passed" + "".join(f"; {status}: {', '.join(names)}"
+                                for status, names in bad.items() if names)
+            + f"; results in {out}/ (summary.txt, a .log per step)")
+    lines = [head]
+    for o in outcomes:
+        lines.append(f"  {o.status:<9} {o.step.name:<13} {o.seconds:6.0f} s  {o.detail}")
+        lines += [f"      | {line}" for line in o.evidence]
+    lines += [f"  {'skipped':<9} {name:<13} {'':>8}  {why}" for name, why in skipped]
+    return "\n".join(lines + [line for line in (machine, sharing) if line]) + "\n"
+
+
+def _machine(gpus, rehearse):
+    import torch
+
+    if rehearse:
+        return (f"machine: CPU, gloo ranks (a rehearsal: on a GPU the same steps run NCCL on "
+                f"CUDA, at full size); torch {torch.__version__}")
+    names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
+    version = nccl_version()
+    return (f"machine: {gpus} x {', '.join(names)}; torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}, NCCL {'.'.join(map(str, version or ())) or 'none'}")
 
 
 def _parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join("results", "gpu"),
-                   help="folder for the profiles' results (default results/gpu; "
-                        "blog/gpu to commit them beside the post)")
+    p.add_argument("--out", default=None,
+                   help="folder for the results (default results/gpu, or "
+                        "results/gpu-rehearsal with --rehearse; blog/gpu to commit them beside "
+                        "the post)")
     p.add_argument("--share-gpu", action="store_true",
-                   help="with one GPU: run two ranks on it (correctness only)")
+                   help=f"run two ranks on one GPU (correctness only); the same as "
+                        f"{SHARE_GPU_ENV}=1, which this flag sets for every step")
+    p.add_argument("--rehearse", action="store_true",
+                   help="run every step on CPU/gloo at a tiny size, as a GPU run would (with "
+                        "--share-gpu: the one-GPU plan); works without a GPU")
+    p.add_argument("--tests", default=None, metavar="EXPR",
+                   help="both test steps run only the NCCL tests (gloo with --rehearse) that "
+                        "match pytest -k EXPR, e.g. to run a failed one again")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                   help="seconds each step may take before it is stopped (default per step: "
+                        + ", ".join(f"{k} {v:g}" for k, v in STEP_TIMEOUT_S.items()) + ")")
     p.add_argument("--dry-run", action="store_true",
                    help="print the steps' commands and stop (works without a GPU)")
     return p
@@ -84,33 +285,56 @@ def _parser():
 
 def main(argv=None, gpus=None):
     args = _parser().parse_args(argv)
+    flag = os.environ.get(SHARE_GPU_ENV, "")
+    problem = (f"{SHARE_GPU_ENV}={flag!r}: valid are 1 (ranks share a GPU) or 0 or unset"
+               if flag not in ("", "0", "1") else
+               f"--step-timeout {args.step_timeout:g}: must be a positive number of seconds"
+               if args.step_timeout is not None and not args.step_timeout > 0 else None)
+    share = args.share_gpu or share_gpu_requested()
     if gpus is None:
-        import torch
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = 0 if args.rehearse else gpu_count()
+    planned = (1 if share else 2) if args.rehearse or (args.dry_run and gpus == 0) else gpus
+    out = args.out or os.path.join("results", "gpu-rehearsal" if args.rehearse else "gpu")
     try:
-        steps = plan(max(gpus, 2) if args.dry_run and gpus == 0 else gpus, args.share_gpu,
-                     args.out)
+        if problem:
+            raise ValueError(problem)
+        steps = plan(planned, share, out, rehearse=args.rehearse, tests=args.tests)
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         for step in steps:
             env = " ".join(f"{k}={v}" for k, v in step.env.items())
-            print(f"{step.name}: {env + ' ' if env else ''}{shlex.join(step.argv)}")
+            limit = args.step_timeout or step.timeout_s
+            print(f"{step.name} (limit {limit:g} s): {env + ' ' if env else ''}"
+                  f"{shlex.join(step.argv)}")
         return 0
-    print(f"{PROG}: {gpus} GPU(s)" + (", two ranks sharing one (correctness only)"
-                                       if gpus == 1 else ""), flush=True)
-    outcome = []
+    os.makedirs(out, exist_ok=True)
+    shared = planned == 1
+    sharing = (f"sharing: two ranks on one GPU, {share_gpu_route()}: this run checks "
+               f"correctness, not speed" if shared else "")
+    print(f"{PROG}{' --rehearse' if args.rehearse else ''}: {len(steps)} steps, results in "
+          f"{out}/" + (f"; {sharing}" if shared else ""), flush=True)
+    outcomes, interrupted = [], False
     for step in steps:
-        print(f"\n=== {step.name}: {step.what}", flush=True)
-        start = time.perf_counter()
-        code = subprocess.call(step.argv, env={**os.environ, **step.env})
-        outcome.append((step, code, time.perf_counter() - start))
-    print(f"\n{PROG}: summary")
-    for step, code, seconds in outcome:
-        where = f", results in {step.results}/" if step.results and code == 0 else ""
-        print(f"  {'passed' if code == 0 else f'FAILED (exit {code})':<16} {step.name} "
-              f"({seconds:.0f} s){where}")
-    if gpus == 1:
-        print("  skipped          large-overlap (two ranks on one GPU: timings mean nothing)")
-    return 0 if all(code == 0 for _, code, _ in outcome) else 1
+        env = " ".join(f"{k}={v}" for k, v in step.env.items())
+        print(f"\n=== {step.name}: {step.what}\n    {env + ' ' if env else ''}"
+              f"{shlex.join(step.argv)}", flush=True)
+        try:
+            outcomes.append(run_step(step, out, args.step_timeout))
+        except KeyboardInterrupt:
+            interrupted = True
+            outcomes.append(Outcome(step, "FAILED", 0.0, "interrupted (Ctrl-C): stopped, with "
+                                    "every step after it", []))
+        print(f"=== {step.name}: {outcomes[-1].status}, {outcomes[-1].detail}", flush=True)
+        if interrupted:
+            break
+    skipped = [("large-overlap", "two ranks on one GPU: timings mean nothing")] if shared else []
+    text = summary(outcomes, out, skipped, _machine(planned, args.rehearse), sharing,
+                   args.rehearse)
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(text)
+    print(f"\n{text}", end="", flush=True)
+    if interrupted:
+        return 130
+    return 0 if all(o.status == "passed" for o in outcomes) else 1

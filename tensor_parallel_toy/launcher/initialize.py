@@ -45,11 +45,16 @@ def gpu_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def share_gpu_requested(env=os.environ):
+    """Whether ranks may share a GPU: SHARE_GPU_ENV=1 (what gpu-check's --share-gpu sets)."""
+    return env.get(SHARE_GPU_ENV) == "1"
+
+
 def nccl_rank_capacity(env=os.environ):
     """How many NCCL ranks this machine can run: one per GPU, or any number on one GPU when
     SHARE_GPU_ENV=1 (a correctness run; see `share_gpu_env`)."""
     gpus = gpu_count()
-    return 1 << 10 if gpus and env.get(SHARE_GPU_ENV) == "1" else gpus
+    return 1 << 10 if gpus and share_gpu_requested(env) else gpus
 
 
 def choose_backend(world_size, device="auto"):
@@ -69,14 +74,49 @@ def choose_backend(world_size, device="auto"):
     return "nccl"
 
 
-def share_gpu_env(rank):
-    """Environment that lets NCCL run several ranks on one GPU: each rank claims to be its own
-    host (a per-rank NCCL_HOSTID), so NCCL does not refuse the second rank ("Duplicate GPU
-    detected") and connects the ranks through sockets on loopback. NCCL's maintainers do not
-    support this; it is slow and the ranks share the GPU's SMs, so its timings mean nothing. It
-    runs the real NCCL code path, which is what a correctness check on one GPU needs."""
+# NCCL's own switch for several ranks on one GPU: experimental, and only from this version on
+# (the NCCL 2.30 release; init.cc's NCCL_PARAM(MultiRankGpuEnable, "MULTI_RANK_GPU_ENABLE", 0)).
+MULTI_RANK_GPU_ENV, MULTI_RANK_GPU_SINCE = "NCCL_MULTI_RANK_GPU_ENABLE", (2, 30)
+
+
+def nccl_version():
+    """(major, minor, patch) of the NCCL this torch was built with, or None (a CPU build)."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def share_gpu_env(rank, version=None):
+    """Environment that lets NCCL run several ranks on one GPU, for NCCL `version` (default:
+    torch's). Two routes:
+    - NCCL >= 2.30: NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL's own (experimental) switch; without it
+      NCCL refuses a second rank on a GPU ("Multiple Ranks are using the same GPU").
+    - older NCCL: each rank claims to be its own host (a per-rank NCCL_HOSTID), so NCCL does not
+      refuse the second rank ("Duplicate GPU detected") and connects the ranks through sockets
+      on loopback. NCCL's maintainers do not support this (NVIDIA/nccl#418).
+    Either way the ranks share the GPU's SMs, so timings mean nothing; it runs the real NCCL
+    code path, which is what a correctness check on one GPU needs."""
+    version = nccl_version() if version is None else version
+    if version and tuple(version[:2]) >= MULTI_RANK_GPU_SINCE:
+        return {MULTI_RANK_GPU_ENV: "1"}
     return {"NCCL_HOSTID": f"tensor-parallel-toy-rank-{rank}", "NCCL_SOCKET_IFNAME": "lo",
             "NCCL_IB_DISABLE": "1"}
+
+
+def share_gpu_route(version=None):
+    """How ranks share a GPU under NCCL `version` (default: torch's), as a phrase that starts
+    with "through" (see `share_gpu_env`)."""
+    version = nccl_version() if version is None else version
+    since = ".".join(map(str, MULTI_RANK_GPU_SINCE))
+    if not version:
+        return (f"through {MULTI_RANK_GPU_ENV}=1 where NCCL >= {since}, else a per-rank "
+                f"NCCL_HOSTID (this torch has no NCCL)")
+    name = "NCCL " + ".".join(map(str, version))
+    if tuple(version[:2]) >= MULTI_RANK_GPU_SINCE:
+        return f"through {MULTI_RANK_GPU_ENV}=1, NCCL's own switch ({name} >= {since})"
+    return (f"through a per-rank NCCL_HOSTID over loopback sockets ({name} < {since} has no "
+            f"{MULTI_RANK_GPU_ENV}; a route NCCL's maintainers do not support)")
 
 
 def nccl_options(high_priority_streams=False):

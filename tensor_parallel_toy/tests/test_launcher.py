@@ -96,7 +96,8 @@ def test_bad_launcher_arguments_fail_before_spawning(kwargs, words):
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
-def test_bad_device_requests_are_refused_with_what_is_valid():
+def test_bad_device_requests_are_refused_with_what_is_valid(monkeypatch):
+    monkeypatch.delenv(initialize.SHARE_GPU_ENV, raising=False)  # sharing would lift the limit
     with pytest.raises(ValueError, match="device 'tpu' is not one of: auto, cpu, cuda"):
         choose_backend(2, "tpu")
     if torch.cuda.device_count() == 0:
@@ -110,6 +111,7 @@ def test_bad_device_requests_are_refused_with_what_is_valid():
 
 
 def test_ranks_share_one_gpu_only_when_asked_each_claiming_its_own_nccl_host(monkeypatch):
+    monkeypatch.delenv(initialize.SHARE_GPU_ENV, raising=False)  # "not asked", whoever runs it
     monkeypatch.setattr(initialize, "gpu_count", lambda: 1)
     assert initialize.nccl_rank_capacity(env={}) == 1
     assert initialize.nccl_rank_capacity(env={initialize.SHARE_GPU_ENV: "1"}) >= 8
@@ -117,7 +119,7 @@ def test_ranks_share_one_gpu_only_when_asked_each_claiming_its_own_nccl_host(mon
         choose_backend(2, "cuda")  # one GPU, two ranks, not asked to share: refused, and why
     monkeypatch.setenv(initialize.SHARE_GPU_ENV, "1")
     assert choose_backend(2, "cuda") == choose_backend(2, "auto") == "nccl"
-    hosts = {initialize.share_gpu_env(rank)["NCCL_HOSTID"] for rank in range(4)}
+    hosts = {initialize.share_gpu_env(rank, (2, 27, 3))["NCCL_HOSTID"] for rank in range(4)}
     assert len(hosts) == 4, hosts  # the same host id on two ranks: "Duplicate GPU detected"
     monkeypatch.setattr(initialize, "gpu_count", lambda: 0)
     assert initialize.nccl_rank_capacity() == 0  # sharing needs a GPU to share
@@ -129,10 +131,11 @@ def test_nccl_streams_keep_torch_default_priority_unless_asked():
         assert initialize.nccl_options(True).is_high_priority_stream
 
 
-def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(capsys, monkeypatch):
     from tensor_parallel_toy.launcher import gpu_check
+    monkeypatch.delenv(initialize.SHARE_GPU_ENV, raising=False)  # it would allow one GPU
     for gpus, flags, words in [(0, [], ["no CUDA GPU here"]),
-                               (1, [], ["1 CUDA GPU", "--share-gpu"])]:
+                               (1, [], ["1 CUDA GPU", "--share-gpu", initialize.SHARE_GPU_ENV])]:
         assert gpu_check.main(flags, gpus=gpus) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and all(w in err for w in words), err
@@ -147,13 +150,14 @@ def test_gpu_check_plan_runs_the_nccl_tests_sanitizer_profile_and_large_benchmar
     steps = {s.name: s for s in gpu_check.plan(2, False, out)}
     assert list(steps) == ["nccl-tests", "sanitizer", "profile", "large-overlap"], list(steps)
     assert steps["sanitizer"].env["TORCH_CUDA_SANITIZER"] == "1"
-    assert steps["nccl-tests"].argv[-2:] == ["-k", "nccl"]
+    assert steps["nccl-tests"].argv[4:6] == ["-k", "nccl"]
     for name in ("profile", "large-overlap"):  # the flags parse (without --device cuda here)
         argv = steps[name].argv[3:]
         assert argv[:3] == ["profile", "--device", "cuda"], argv
         args = cli.parse_args(argv[3:], env={})
         assert args.device == "auto", name
-    assert steps["large-overlap"].results == out
+    assert steps["large-overlap"].results == os.path.join(out, "large-overlap")
+    assert all(s.timeout_s >= 1200 for s in steps.values())  # two ranks time-slicing one GPU
     shared = {s.name: s for s in gpu_check.plan(1, True, out)}
     assert "large-overlap" not in shared  # two ranks on one GPU: no timings worth keeping
     assert all(s.env.get(initialize.SHARE_GPU_ENV) == "1" for s in shared.values())
