@@ -305,7 +305,8 @@ def summarize(per_rank):
         # The schedule ceiling from the per-phase times alone (numerator and denominator from
         # the same measurements, so it lies in [0, 1]).
         phases = [(max(_median(ph["comm"]) for ph in ranks),
-                   max(_median(ph["gemm"]) for ph in ranks), ranks[0]["order"])
+                   max(_median(ph["gemm"]) for ph in ranks),
+                   ranks[0].get("order", "comm first"))
                   for ranks in zip(*(r["raw"][name]["phases"] for r in per_rank))]
         bound = sum(schedule_time(c, g, p, m, order) for c, g, order in phases)
         saved = sum(c + g for c, g, _ in phases) - bound

@@ -46,8 +46,8 @@ def _timed(fn, tries):
     return times
 
 
-def _on_rank_timed_transfers(tries=5):
-    """Under the modeled wire: a ring step of 1 MiB, an all-gather of a 256 KiB shard, and two
+def _on_rank_timed_transfers(tries=7):
+    """Under the modeled wire: a ring step of 1 MiB, an all-gather of a 1 MiB shard, and two
     ring steps posted together, `tries` times each: {what: (seconds of each try, model's
     seconds, data right)}."""
     group = dist.group.WORLD
@@ -55,7 +55,7 @@ def _on_rank_timed_transfers(tries=5):
     described = wire.parse(f"model:{RATE}:{LATENCY_S * 1e6:g}us")
     send = torch.full((256 * 1024,), float(r))  # 1 MiB
     recv, other = torch.empty_like(send), torch.empty_like(send)
-    shard = torch.full((64, 1024), float(r))  # 256 KiB
+    shard = torch.full((256, 1024), float(r))  # 1 MiB
     gathered = {}
     for _ in range(2):  # the first transfers between two ranks set up their connection
         Ring(group).shift(send, recv).wait()
@@ -74,13 +74,13 @@ def _on_rank_timed_transfers(tries=5):
                               modeled.delivery_s(4 * shard.numel() * (p - 1), p - 1)),
                "two at once": (_timed(two_at_once, tries), modeled.delivery_s(8 * send.numel()))}
     right = bool((recv == (r - 1) % p).all()) and bool((other == (r - 1) % p).all()) and \
-        torch.equal(gathered["full"], torch.cat([torch.full((64, 1024), float(q))
+        torch.equal(gathered["full"], torch.cat([torch.full((256, 1024), float(q))
                                                  for q in range(p)]))
     return out, right
 
 
 def test_modeled_wire_delivers_a_known_size_at_its_model_time(pools):
-    """Never before the model's time (the host sleeps until then), and the fastest of five
+    """Never before the model's time (the host sleeps until then), and the fastest of seven
     tries within +10 % of it (a slower try is this machine's scheduler waking the sleeper late
     under load, not the wire); two transfers posted together take twice as long, the wire
     carrying one at a time; the bytes arrive."""
