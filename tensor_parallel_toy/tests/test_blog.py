@@ -35,6 +35,8 @@ ALLOWED_NUMBERS = {
     "2105.05720", "2406.06858", "2409.15241", "2401.16677", "2310.01889", "2309.14509",
     "2407.21783",
     "1.09", "1.10",  # torchtitan's published async-TP speedups on H100, cited as such
+    "500",  # the power limit (W) of torchtitan's H100s, cited with those speedups
+    "370", "400",  # GB/s: NCCL's effective NVLink rate (nccl-tests#212); 8 NICs of 50 GB/s
     "3.10",  # the Python version the package needs
 }
 
