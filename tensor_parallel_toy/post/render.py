@@ -274,3 +274,17 @@ def hand_typed_numbers(template, allowed=()):
             if looks_measured and n not in allowed:
                 found.append((line_no, n))
     return found
+
+
+PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_TABLE = 200, 100, 0.5, 0.5
+
+
+def reading_minutes(text):
+    """The reading time the posts state: prose at 200 words a minute, code (fenced blocks) at
+    100, half a minute per figure shown and per table. Words are whitespace-separated, as `wc -w`."""
+    code = sum(len(m.group(0).split()) for m in _FENCED.finditer(text))
+    prose = len(text.split()) - code
+    figures = len(re.findall(r"!\[", text))
+    tables = len(re.findall(r"^\|\s*-{3,}", text, flags=re.M))
+    return (prose / PROSE_WPM + code / CODE_WPM + figures * MINUTES_PER_FIGURE
+            + tables * MINUTES_PER_TABLE)
