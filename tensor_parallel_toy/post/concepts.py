@@ -34,17 +34,17 @@ def draw_column_row_split(path):
     y0 = 8.0
     ax.text(0.3, 12.4, "Column-parallel: rank r keeps W's output rows, "
             r"$W_r$ [out/p, in]  (p = 2)", fontsize=11, weight="bold", va="center")
-    box(ax, 0.4, y0, din, n, "$X$\n[n, in]\n\nthe whole X,\non every rank")
+    box(ax, 0.4, y0, din, n, "$X$\n[sb, in]\n\nthe whole X,\non every rank")
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
         box(ax, x_w + r * dout / 2, y0 + (n - din) / 2, dout / 2, din,
              f"$W_{r}^T$\n[in, out/p]", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq, y0 + n / 2, "=", fontsize=16, ha="center", va="center")
     for r in range(2):
-        box(ax, x_eq + 0.4 + r * dout / 2, y0, dout / 2, n, f"$Y_{r}$\n[n, out/p]\n\nrank {r}",
+        box(ax, x_eq + 0.4 + r * dout / 2, y0, dout / 2, n, f"$Y_{r}$\n[sb, out/p]\n\nrank {r}",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(11.4, y0 + n, "\n".join([
-        r"rank r computes $Y_r = X\,W_r^T$:  [n, in] · [in, out/p]",
+        r"rank r computes $Y_r = X\,W_r^T$:  [sb, in] · [in, out/p]",
         "",
         "Forward: no communication. The column blocks",
         "side by side are Y, each on the rank that made it.",
@@ -60,7 +60,7 @@ def draw_column_row_split(path):
             r"$W_r$ [out, in/p], and needs only $X_r$", fontsize=11, weight="bold",
             va="center")
     for r in range(2):
-        box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[n,\nin/p]",
+        box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[sb,\nin/p]",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
@@ -69,12 +69,12 @@ def draw_column_row_split(path):
     ax.text(x_eq, y0 + n / 2, "→", fontsize=16, ha="center", va="center")
     for r in range(2):
         x = x_eq + 0.4 + r * (dout + 0.6)
-        box(ax, x, y0, dout, n, f"$P_{r} = X_{r}\\,W_{r}^T$\n[n, out]\nrank {r}\n\n"
+        box(ax, x, y0, dout, n, f"$P_{r} = X_{r}\\,W_{r}^T$\n[sb, out]\nrank {r}\n\n"
              "full size,\na partial sum", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq + 0.4 + dout + 0.3, y0 + n / 2, "+", fontsize=16, ha="center", va="center")
     ax.text(x_eq + 0.4 + 2 * dout + 0.9, y0 + n / 2, "=", fontsize=16, ha="center",
             va="center")
-    box(ax, x_eq + 2 * dout + 1.6, y0, dout, n, "$Y = P_0 + P_1$\n[n, out]", SUM)
+    box(ax, x_eq + 2 * dout + 1.6, y0, dout, n, "$Y = P_0 + P_1$\n[sb, out]", SUM)
     ax.text(0.4, 1.3, "Forward: the sum is the communication: all-reduce in TP (Y on every "
             "rank), reduce-scatter(seq)", fontsize=9, va="center")
     ax.text(0.4, 0.85, "in TP + SP (rank r keeps its s/p rows of Y).", fontsize=9,
@@ -145,6 +145,60 @@ def draw_collectives(path):
     save(fig, path)
 
 
+# -- 2b. the transposes, as block matrices --------------------------------------------------------
+def _matrix(ax, x, y, rows, cell=0.62):
+    """A block matrix, rows[i][j] = "I" or "0", its top-left corner at (x, y)."""
+    for i, row in enumerate(rows):
+        for j, value in enumerate(row):
+            box(ax, x + j * cell, y - (i + 1) * cell, cell, cell, value,
+                SUM if value == "I" else "white", size=9)
+    return x + len(rows[0]) * cell, y - len(rows) * cell
+
+
+@styled
+def draw_transposes(path):
+    """Each communication operator at p = 2 as a block matrix acting on the stacked blocks of
+    both ranks, and its backward as the transposed matrix: f and g, all-gather(seq) and
+    reduce-scatter(seq)."""
+    fig, ax = canvas(20, 13.0)
+    gather = [["I", "0"], ["0", "I"], ["I", "0"], ["0", "I"]]
+    scatter = [["I", "0", "I", "0"], ["0", "I", "0", "I"]]
+    bands = [
+        ("f (copy)", "x, one value", [["I"], ["I"]], "[x on rank 0; x on rank 1]",
+         "sums the two gradients;", "x is on every rank:",
+         "all-reduce"),
+        ("g (reduce)", "[a on rank 0; b on rank 1]", [["I", "I"]], "y = a + b, one value",
+         "copies dy to both terms;", "dy is on every rank:", "identity"),
+        ("all-gather(seq)", "[x0 on rank 0; x1 on rank 1]", gather,
+         "[x0; x1 on rank 0; x0; x1 on rank 1]", "sums block r's gradients",
+         "onto rank r:", "reduce-scatter(seq)"),
+        ("reduce-scatter(seq)", "[a0; a1 on rank 0; b0; b1 on rank 1]", scatter,
+         "[a0 + b0 on rank 0; a1 + b1 on rank 1]", "sends both blocks of dy", "to every rank:",
+         "all-gather(seq)"),
+    ]
+    top = 12.3
+    ax.text(0.3, 12.65, "Forward: out = M · in.   Backward: d(in) = Mᵀ · d(out).   "
+            "(p = 2; I an identity block, 0 a zero block)", fontsize=10.5, weight="bold",
+            va="center")
+    for name, src, rows, dst, why1, why2, backward in bands:
+        ax.text(0.3, top - 0.45, name, fontsize=11, weight="bold", va="center")
+        ax.text(0.3, top - 0.95, f"in: {src}", fontsize=8.5, va="center")
+        ax.text(0.3, top - 1.35, f"out: {dst}", fontsize=8.5, va="center")
+        ax.text(8.6, top - 0.2, "M", fontsize=10, ha="center", va="center")
+        _, bottom_m = _matrix(ax, 8.3 - 0.31 * (len(rows[0]) - 1), top - 0.5, rows)
+        transposed = [list(col) for col in zip(*rows)]
+        ax.text(12.3, top - 0.2, "Mᵀ", fontsize=10, ha="center", va="center")
+        _, bottom_t = _matrix(ax, 12.0 - 0.31 * (len(transposed[0]) - 1), top - 0.5,
+                              transposed)
+        ax.text(14.0, top - 0.8, "\n".join(l for l in (why1, why2) if l), fontsize=8.5,
+                va="top")
+        ax.text(14.0, top - 1.9, f"backward: {backward}", fontsize=9.5, weight="bold",
+                va="center", color="#a65d00")
+        top = min(bottom_m, bottom_t) - 0.7
+        ax.axhline(top + 0.35, color="#cccccc", linewidth=0.8)
+    save(fig, path)
+
+
 # -- 3. the regions of one block ------------------------------------------------------------------
 REP, SPR, TPR = (memory_model.REPLICATED, memory_model.SEQUENCE_PARALLEL,
                  memory_model.TENSOR_PARALLEL)
@@ -160,10 +214,10 @@ def _block_items(sequence_parallel):
         rows, region, x = "[s/p, b, h]", SPR, "x  [s/p, b, h], this rank's tokens"
         enter = ("all-gather(seq)   [s/p, b, h] → [s, b, h]\n"
                  "fwd: all-gather(seq) | bwd: reduce-scatter(seq)\n"
-                 "Korthikanti's g, in ColumnParallelLinear")
+                 "in ColumnParallelLinear")
         leave = ("reduce-scatter(seq)   [s, b, h] → [s/p, b, h]\n"
                  "fwd: reduce-scatter(seq) | bwd: all-gather(seq)\n"
-                 r"Korthikanti's $\bar{g}$, in RowParallelLinear")
+                 "in RowParallelLinear")
     else:
         rows, region, x = "[s, b, h]", REP, "x  [s, b, h], same on every rank"
         enter = ("f = copy_to_tensor_parallel_region\n"
@@ -309,6 +363,7 @@ def draw_memory_per_tensor(path):
 
 # -- all of them, and whether they are current --------------------------------------------------
 DRAWERS = {"column_row_split.png": draw_column_row_split, "collectives.png": draw_collectives,
+           "transposes.png": draw_transposes,
            "regions.png": draw_regions, "ring_all_gather_gemm.png": draw_ring_all_gather_gemm,
            "ring_reduce_scatter.png": draw_ring_reduce_scatter,
            "memory_per_tensor.png": draw_memory_per_tensor}

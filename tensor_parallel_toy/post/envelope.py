@@ -29,10 +29,14 @@ class Link:
 
 
 # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16; NVLink 4 is 900 GB/s per GPU counting
-# both directions; a ConnectX-7 NIC per GPU gives 400 Gbit/s.
+# both directions (450 GB/s each way is the line rate; NCCL's tests reach about 370 GB/s);
+# a ConnectX-7 NIC per GPU gives 400 Gbit/s. One NIC is what a single flat ring of P2P sends
+# crossing between servers gets; NCCL runs several rings at once, each leaving the server
+# through another of its 8 NICs, about 8 x 50 GB/s per server.
 H100_BF16_FLOPS = 989e12
-NVLINK_H100 = Link("NVLink 4 (H100)", 450e9)
-INFINIBAND_NDR = Link("InfiniBand NDR, 400 Gbit/s per GPU", 50e9)
+NVLINK_H100 = Link("NVLink 4 (H100), line rate", 450e9)
+INFINIBAND_NDR = Link("InfiniBand NDR, one 400 Gbit/s NIC (one flat ring)", 50e9)
+INFINIBAND_8_NICS = Link("InfiniBand NDR, NCCL over a server's 8 NICs", 400e9)
 
 # Llama 3 70B (Dubey et al. 2024): hidden 8192, MLP 28672 (SwiGLU: fc1 holds gate and up),
 # 64 query heads and 8 k/v heads of 128.
@@ -62,7 +66,8 @@ def layer_times(s, b, h, n, p, link, flops_per_s=H100_BF16_FLOPS, bytes_per_elem
     return t_comm, t_gemm
 
 
-ROWS = [(2, NVLINK_H100), (4, NVLINK_H100), (8, NVLINK_H100), (16, INFINIBAND_NDR)]
+ROWS = [(2, NVLINK_H100), (4, NVLINK_H100), (8, NVLINK_H100), (16, INFINIBAND_NDR),
+        (16, INFINIBAND_8_NICS)]
 
 
 def table(model=LLAMA3_70B, rows=ROWS):
@@ -87,8 +92,42 @@ def named():
            "env.ib_gbit": f"{INFINIBAND_NDR.bytes_per_s * 8 / 1e9:.0f}"}
     out.update({f"env.n.{name}": f"{n:,}" for name, n in widths.items()})
     out.update({f"env.{k}": f"{v:,}" for k, v in LLAMA3_70B.items()})
-    for p, link in ROWS:  # the block's ratio, and the most of its TP time overlap could save
+    for p, link in ROWS[:3]:  # the block's ratio, and the most overlap could save, pooled
         r = 4 * ratio(p, sum(widths.values()), link)
         out[f"env.block.p{p}"] = f"{r:.2f}"
         out[f"env.hide.p{p}"] = f"{min(r, 1) / (1 + r) * 100:.0f} %"
+        out[f"env.layerwise.p{p}"] = f"{layerwise_saving(p, link) * 100:.0f} %"
+    out["env.block.p16_1nic"] = f"{4 * ratio(16, sum(widths.values()), INFINIBAND_NDR):.1f}"
+    out["env.block.p16_8nic"] = f"{4 * ratio(16, sum(widths.values()), INFINIBAND_8_NICS):.1f}"
+    c = ratio(8, 1, NVLINK_H100)  # p = 8: each layer's GEMM time in units of its transfer's
+    gemms = {name: n / c for name, n in widths.items()}
+    out.update({f"env.g8.{name}": f"{g:.2f}" for name, g in gemms.items()})
+    out["env.g8.saved"] = f"{sum(min(1.0, g) for g in gemms.values()):.2f}"
+    out["env.g8.total"] = f"{4 + sum(gemms.values()):.2f}"
+    fwd, bwd, step = pass_ratios(8, NVLINK_H100)
+    out.update({"env.fwd.p8": f"{fwd:.2f}", "env.bwd.p8": f"{bwd:.2f}",
+                "env.step.p8": f"{step:.2f}"})
     return out
+
+
+def layerwise_saving(p, link, model=LLAMA3_70B):
+    """The most a block's forward could save by overlap, as a share of its unoverlapped TP
+    time: each layer's ring hides only its own transfer, so sum_i min(C_i, G_i) over
+    sum_i (C_i + G_i), with C_i the layer's transfer time and G_i its GEMM's."""
+    t_comm = ratio(p, 1, link)  # every layer sends the same bytes; in units of a width-1 GEMM
+    saved = sum(min(t_comm, n) for n in layer_widths(model).values())
+    return saved / (4 * t_comm + sum(layer_widths(model).values()))
+
+
+def pass_ratios(p, link, model=LLAMA3_70B):
+    """T_comm / T_gemm of a block's forward, backward and whole step, the four layers together.
+    Forward: one transfer and one GEMM per layer. Backward: two GEMMs per layer (dX, dW); a
+    column layer re-gathers its input and reduce-scatters dX (two transfers), a row layer
+    gathers dY (one)."""
+    widths = layer_widths(model)
+    t_comm = ratio(p, 1, link)  # one layer's transfer, in units of a width-1 GEMM
+    gemm = sum(widths.values())
+    fwd = 4 * t_comm / gemm
+    bwd = (2 + 1 + 2 + 1) * t_comm / (2 * gemm)
+    step = (4 + 6) * t_comm / (3 * gemm)
+    return fwd, bwd, step

@@ -80,7 +80,7 @@ def worked_example():
     column split's backward, whose per-rank terms of dX only sum to dX."""
     import torch
 
-    x = torch.tensor([[1., 2., 0., 1.], [0., 1., 3., 2.]])  # [n=2, in=4]
+    x = torch.tensor([[1., 2., 0., 1.], [0., 1., 3., 2.]])  # [s·b=2, in=4]
     w = torch.tensor([[1., 0., 2., 1.], [0., 1., 1., 0.]])  # [out=2, in=4]
     dy = torch.tensor([[1., 1.], [1., 0.]])
     y = x @ w.t()
@@ -90,7 +90,9 @@ def worked_example():
     return {"ex.X": _matrix(x), "ex.W": _matrix(w), "ex.Y": _matrix(y), "ex.dY": _matrix(dy),
             "ex.col0": _matrix(y[:, :1]), "ex.col1": _matrix(y[:, 1:]),
             "ex.part0": _matrix(parts[0]), "ex.part1": _matrix(parts[1]),
-            "ex.dx0": _matrix(terms[0]), "ex.dx1": _matrix(terms[1]), "ex.dX": _matrix(dy @ w)}
+            "ex.dx0": _matrix(terms[0]), "ex.dx1": _matrix(terms[1]), "ex.dX": _matrix(dy @ w),
+            "ex.W0": _matrix(w[:, :2]), "ex.W1": _matrix(w[:, 2:]),
+            "ex.dxr0": _matrix(dy @ w[:, :2]), "ex.dxr1": _matrix(dy @ w[:, 2:])}
 
 
 def _max_rel(prefix, results, key="loss_rel_err_vs_baseline"):
@@ -274,3 +276,17 @@ def hand_typed_numbers(template, allowed=()):
             if looks_measured and n not in allowed:
                 found.append((line_no, n))
     return found
+
+
+PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_TABLE = 200, 100, 0.5, 0.5
+
+
+def reading_minutes(text):
+    """The reading time the posts state: prose at 200 words a minute, code (fenced blocks) at
+    100, half a minute per figure shown and per table. Words are whitespace-separated, as `wc -w`."""
+    code = sum(len(m.group(0).split()) for m in _FENCED.finditer(text))
+    prose = len(text.split()) - code
+    figures = len(re.findall(r"!\[", text))
+    tables = len(re.findall(r"^\|\s*-{3,}", text, flags=re.M))
+    return (prose / PROSE_WPM + code / CODE_WPM + figures * MINUTES_PER_FIGURE
+            + tables * MINUTES_PER_TABLE)

@@ -35,6 +35,9 @@ ALLOWED_NUMBERS = {
     "2105.05720", "2406.06858", "2409.15241", "2401.16677", "2310.01889", "2309.14509",
     "2407.21783",
     "1.09", "1.10",  # torchtitan's published async-TP speedups on H100, cited as such
+    "500",  # the power limit (W) of torchtitan's H100s, cited with those speedups
+    "200", "100",  # the reading-time formula's words per minute, prose and code
+    "370", "400",  # GB/s: NCCL's effective NVLink rate (nccl-tests#212); 8 NICs of 50 GB/s
     "3.10",  # the Python version the package needs
 }
 
@@ -173,14 +176,32 @@ def test_render_fills_placeholders_and_refuses_unknown_ones():
             post.render(bad, data, {})
 
 
-def test_posts_state_a_reading_time_that_fits_their_length():
+def test_posts_state_the_reading_time_their_formula_gives():
+    """Each post states "About N minutes" at the top, N the formula the post states (prose at
+    200 words a minute, code at 100, half a minute per figure and per table) to the nearest
+    minute; both parts together at most 80 minutes."""
+    from tensor_parallel_toy.post import render as post
+
+    total = 0
     for name, text in _posts().items():
         stated = re.search(r"About (\d+) minutes", text)
         assert stated, f"{name} does not state its reading time at the top"
-        words = len(re.findall(r"\w+", text))
-        minutes = int(stated.group(1))
-        assert words / 300 <= minutes <= words / 150, (
-            f"{name}: {words} words, stated {minutes} minutes (150-300 words per minute)")
+        minutes = post.reading_minutes(text)
+        assert abs(int(stated.group(1)) - minutes) <= 1, (
+            f"{name}: states {stated.group(1)} minutes, the formula gives {minutes:.1f}")
+        total += minutes
+    assert total <= 80, f"both parts take {total:.0f} minutes by the posts' formula, over 80"
+
+
+def test_reading_time_formula_counts_code_slower_than_prose_and_each_figure_and_table():
+    from tensor_parallel_toy.post import render as post
+
+    prose = " ".join(["word"] * 200)
+    code = "```python\n" + " ".join(["x"] * 98) + "\n```\n"
+    assert post.reading_minutes(prose) == 1.0
+    assert post.reading_minutes(code) == 1.0  # 98 words and the two fences
+    figure_and_table = "![a](b.png)\n\n| a |\n| --- |\n| 1 |\n"  # and 10 words of prose
+    assert post.reading_minutes(figure_and_table) == pytest.approx(0.5 + 0.5 + 10 / 200)
 
 
 # The checker itself must be able to fail: drifted code, a wrong path, a tag without a block.
