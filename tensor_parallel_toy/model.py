@@ -8,8 +8,8 @@ Megatron-style:
     [s/p, b, h] --RMSNorm--> --qkv (column: all-gather seq)--> [s, b, 3h/p]
                 --attention over this rank's h/p heads-->          [s, b, h/p]
                 --proj (row: reduce-scatter seq)--> [s/p, b, h] --+ residual
-                --RMSNorm--> --fc1 (column)--> [s, b, f/p] --GELU--> --fc2 (row)--> [s/p, b, h]
-                (or SwiGLU: --gate_up (column)--> [s, b, 2f/p] --silu(gate)*up--> --down (row)-->)
+                --RMSNorm--> --fc1 (column)--> [s, b, m/p] --GELU--> --fc2 (row)--> [s/p, b, h]
+                (or SwiGLU: --gate_up (column)--> [s, b, 2m/p] --silu(gate)*up--> --down (row)-->)
     ... blocks ... --RMSNorm--> --head (column)--> logits [s, b, V/p] --vocab-parallel loss-->
 
 Between the blocks every rank holds its s/p sequence rows of the residual stream (sequence
@@ -154,34 +154,34 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
-        self.fc1 = column_parallel_or_plain(h, f, tp_group, overlap)
-        self.fc2 = row_parallel_or_plain(f, h, tp_group, overlap)
+        h, m = config.hidden_size, config.ffn_hidden_size
+        self.fc1 = column_parallel_or_plain(h, m, tp_group, overlap)
+        self.fc2 = row_parallel_or_plain(m, h, tp_group, overlap)
         mark_init_std(self.fc2.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,f/p] -> [s/p,b,h]
+        return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,m/p] -> [s/p,b,h]
 
 
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))`, the MLP of Llama, Mistral and Qwen2.
 
     `gate` and `up` are both column-parallel, so they share one all-gather of x: they are one
-    layer `gate_up` whose output has the shape `(2, f)` (gate is [0], up is [1]), split along
-    f. Rank r's weight `[2f/p, h]` is its gate rows then its up rows: one GEMM gives both
+    layer `gate_up` whose output has the shape `(2, m)` (gate is [0], up is [1]), split along
+    m. Rank r's weight `[2m/p, h]` is its gate rows then its up rows: one GEMM gives both
     halves, and silu(gate) * up multiplies features that live on the same rank. `down` is
     row-parallel, like fc2.
     """
 
     def __init__(self, config, tp_group=None, overlap=False):
         super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
-        self.gate_up = column_parallel_or_plain(h, (2, f), tp_group, overlap, split_dim=1)
-        self.down = row_parallel_or_plain(f, h, tp_group, overlap)
+        h, m = config.hidden_size, config.ffn_hidden_size
+        self.gate_up = column_parallel_or_plain(h, (2, m), tp_group, overlap, split_dim=1)
+        self.down = row_parallel_or_plain(m, h, tp_group, overlap)
         mark_init_std(self.down.weight, 0.02 / math.sqrt(2 * config.num_layers))
 
     def forward(self, x):
-        gate, up = self.gate_up(x).unflatten(-1, (2, -1)).unbind(-2)  # [s, b, f/p] each
+        gate, up = self.gate_up(x).unflatten(-1, (2, -1)).unbind(-2)  # [s, b, m/p] each
         return self.down(F.silu(gate) * up)  # [s/p, b, h]
 
 

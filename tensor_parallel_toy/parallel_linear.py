@@ -88,11 +88,11 @@ class _RingAllGatherGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, weight, bias, group, pieces):
         ring = Ring(group, pieces)
-        n = ring.block_rows(x_local.shape[0])  # rows of one block (a piece of a chunk)
+        rows = ring.block_rows(x_local.shape[0])  # of one block (a piece of a chunk)
         y = x_local.new_empty((x_local.shape[0] * ring.size, *x_local.shape[1:-1],
                                weight.shape[0]))
         ring_all_gather(x_local,
-                        lambda i, x_i: linear_into(y[i * n:(i + 1) * n], x_i, weight, bias), ring)
+                        lambda i, x_i: linear_into(y[i * rows:(i + 1) * rows], x_i, weight, bias), ring)
         ctx.save_for_backward(x_local, weight)
         ctx.group, ctx.pieces, ctx.has_bias = group, pieces, bias is not None
         return y
@@ -102,8 +102,8 @@ class _RingAllGatherGemm(torch.autograd.Function):
         x_local, weight = ctx.saved_tensors
         ring = Ring(ctx.group, ctx.pieces)
         dy = dy.contiguous()
-        n = ring.block_rows(x_local.shape[0])
-        dy_block = lambda i: dy[i * n:(i + 1) * n]  # noqa: E731
+        rows = ring.block_rows(x_local.shape[0])
+        dy_block = lambda i: dy[i * rows:(i + 1) * rows]  # noqa: E731
 
         dw = WeightGradAccumulator(weight)
         ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
@@ -162,8 +162,8 @@ class _GemmRingReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, pieces):
         ring = Ring(group, pieces)
-        n = ring.block_rows(x.shape[0] // ring.size)
-        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * n:(i + 1) * n], weight), ring)
+        rows = ring.block_rows(x.shape[0] // ring.size)
+        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * rows:(i + 1) * rows], weight), ring)
         ctx.pieces = pieces
         return _finish_row_forward(ctx, y_local, x, weight, bias, group)
 
@@ -171,15 +171,15 @@ class _GemmRingReduceScatter(torch.autograd.Function):
     def backward(ctx, dy_local):
         x, weight = ctx.saved_tensors
         ring = Ring(ctx.group, ctx.pieces)
-        n = ring.block_rows(dy_local.shape[0])
+        rows = ring.block_rows(dy_local.shape[0])
         # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
         # whose row slices are views (a reshape of a strided slice would be a copy).
         dx = x.new_empty(x.shape)
         dw = WeightGradAccumulator(weight)
 
         def consume(i, dy_i):
-            torch.mm(flat(dy_i), weight, out=flat(dx[i * n:(i + 1) * n]))
-            dw.add(dy_i, x[i * n:(i + 1) * n])
+            torch.mm(flat(dy_i), weight, out=flat(dx[i * rows:(i + 1) * rows]))
+            dw.add(dy_i, x[i * rows:(i + 1) * rows])
 
         ring_all_gather(dy_local, consume, ring)
         db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
@@ -259,8 +259,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     `out_features` may be a shape, for outputs that are several things side by side: the full
     weight is then `[prod(shape), in]`, its rows that shape flattened, and `split_dim` says
-    which dim of the shape is split over the ranks. SwiGLU's gate and up are `(2, f)` split
-    along 1: rank r holds its f/p gate rows, then its f/p up rows, `[2f/p, in]`; a fused q|k|v
+    which dim of the shape is split over the ranks. SwiGLU's gate and up are `(2, m)` split
+    along 1: rank r holds its m/p gate rows, then its m/p up rows, `[2m/p, in]`; a fused q|k|v
     `(3, heads, hd)` split along 1 gives each rank its q, k and v of its heads. Or `rows` (a
     `RowSplit`) says which of the out_features rows each rank holds, any of them on several
     ranks: those enter the GEMM through `f` over the ranks holding them

@@ -33,10 +33,10 @@ from .comm import group_rank, group_size, send_recv
 class Ring:
     """This rank's neighbours in a ring over `group`, and one transfer around it.
 
-    `pieces`: how many transfers each chunk is cut into along its rows (it must divide them).
-    With one, a chunk's GEMM waits for the whole chunk; with m, it starts on the first of its
-    m pieces while the rest are still on the wire, so at p = 2 an all-gather + GEMM of
-    transfer time C and GEMM time G takes about max(G, C + G / (2m)) instead of
+    `pieces` (M): how many transfers each chunk is cut into along its rows (M must divide
+    them). With one, a chunk's GEMM waits for the whole chunk; with M, it starts on the first
+    of its M pieces while the rest are still on the wire, so at p = 2 an all-gather + GEMM of
+    transfer time C and GEMM time G takes about max(G, C + G / (2M)) instead of
     max(C, G/2) + G/2. The functions below call their consumer or producer once per piece,
     with the piece's index among all p * pieces of them (block c * pieces + j is piece j of
     chunk c): `pieces` = 1 is the plain ring.
@@ -66,15 +66,15 @@ def ring_all_gather(shard, shard_consumer, ring):
     """Pass this rank's `shard` around the ring; call `shard_consumer(i, block_i)` on every
     block.
 
-    shard `[n, ...]` (this rank's chunk r, m = ring.pieces blocks of n/m rows);
-    `shard_consumer(i, block)` gets each of the p * m blocks once, its own chunk's first, and
+    shard `[rows, ...]` (this rank's chunk r, M = ring.pieces blocks of rows/M rows);
+    `shard_consumer(i, block)` gets each of the p * M blocks once, its own chunk's first, and
     must not keep `block` (its buffer receives again two steps later). The plain code it is
     equivalent to, with each transfer hidden under a consumer call instead:
 
-        blocks = all_gather(shard).chunk(p * m)      # block i: piece i % m of rank i // m's
+        blocks = all_gather(shard).chunk(p * M)      # block i: piece i % M of rank i // M's
         for k in range(p):
-            for j in range(m):
-                i = (r - k) % p * m + j
+            for j in range(M):
+                i = (r - k) % p * M + j
                 shard_consumer(i, blocks[i])
 
     Step k: rank r holds chunk (r - k) mod p. Each piece of it is passed on to the next rank
@@ -82,21 +82,21 @@ def ring_all_gather(shard, shard_consumer, ring):
 
         rank r:  post(k=0) | gemm(chunk r)   | wait | post(k=1) | gemm(chunk r-1) | wait | ...
     """
-    p, r, m = ring.size, ring.rank, ring.pieces
+    p, r, pieces = ring.size, ring.rank, ring.pieces
     current = shard.contiguous()  # P2P sends and receives whole, densely packed buffers
     spare = [current.new_empty(current.shape) for _ in range(min(p - 1, 2))]
-    pending = [None] * m  # piece j's transfer posted in the previous step
+    pending = [None] * pieces  # piece j's transfer posted in the previous step
     for k in range(p):
         # Not `current` (sent and consumed during this step), and never the caller's shard.
         # The other spare held the chunk of step k-1: consumed and sent, both waited for
         # piece by piece below before this step reuses it.
         incoming = spare[k % 2] if k < p - 1 else None
-        for j, piece in enumerate(current.chunk(m)):
+        for j, piece in enumerate(current.chunk(pieces)):
             if pending[j] is not None:
                 pending[j].wait()  # piece j of this step's chunk is here
             if incoming is not None:
-                pending[j] = ring.shift(send=piece, recv=incoming.chunk(m)[j])
-            shard_consumer((r - k) % p * m + j, piece)
+                pending[j] = ring.shift(send=piece, recv=incoming.chunk(pieces)[j])
+            shard_consumer((r - k) % p * pieces + j, piece)
         current = incoming
 
 
@@ -104,12 +104,12 @@ def ring_reduce_scatter(chunk_producer, ring):
     """Reduce-scatter of partial sums that `chunk_producer(i)` computes block by block, just in
     time.
 
-    `chunk_producer(i)` returns this rank's partial sum of block i, `[n/m, ...]` (m =
-    ring.pieces blocks per chunk; block c * m + j is piece j of chunk c), a tensor the ring
-    may add into. Returns chunk r summed over all ranks, `[n, ...]`. The plain code it is
+    `chunk_producer(i)` returns this rank's partial sum of block i, `[rows/M, ...]` (M =
+    ring.pieces blocks per chunk; block c * M + j is piece j of chunk c), a tensor the ring
+    may add into. Returns chunk r summed over all ranks, `[rows, ...]`. The plain code it is
     equivalent to, with each transfer hidden under the next producer call instead:
 
-        partials = torch.cat([chunk_producer(i) for i in range(p * m)])   # [p*n, ...]
+        partials = torch.cat([chunk_producer(i) for i in range(p * M)])   # [p*rows, ...]
         return reduce_scatter(partials)                         # chunk r, summed over ranks
 
     The running sum of chunk c starts on rank c+1 and travels right around the ring, each rank
@@ -117,12 +117,12 @@ def ring_reduce_scatter(chunk_producer, ring):
     p-1 chunks of N/p elements: the same traffic as one reduce-scatter. While one piece of a
     running sum is in flight, the GEMM for the next piece runs.
     """
-    p, r, m = ring.size, ring.rank, ring.pieces
-    sums, pending, incoming = [None] * m, [None] * m, [None] * m
+    p, r, pieces = ring.size, ring.rank, ring.pieces
+    sums, pending, incoming = [None] * pieces, [None] * pieces, [None] * pieces
     for k in range(p):
         c = (r - 1 - k) % p  # the chunk whose running sum passes through this rank now
-        for j in range(m):
-            partial = chunk_producer(c * m + j).contiguous()
+        for j in range(pieces):
+            partial = chunk_producer(c * pieces + j).contiguous()
             if pending[j] is not None:
                 pending[j].wait()  # piece j of chunk c's running sum is here
                 partial.add_(incoming[j])  # `sums[j]`, now sent, may be dropped
@@ -134,4 +134,4 @@ def ring_reduce_scatter(chunk_producer, ring):
                 # before the next receive into it is posted, and the post orders the transfer
                 # after it.
                 pending[j] = ring.shift(send=partial, recv=incoming[j])
-    return sums[0] if m == 1 else torch.cat(sums)
+    return sums[0] if pieces == 1 else torch.cat(sums)

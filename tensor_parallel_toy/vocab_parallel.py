@@ -81,16 +81,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     rank)  ->  loss `[N]` fp32, the same on every rank, 0 where label == ignore_index.
 
     With z = logits and t = label, for one token:
-        m   = max_v z_v                      all-reduce MAX  (only for exp's range; not
+        c   = max_v z_v                      all-reduce MAX  (only for exp's range; not
                                                               differentiated: the loss is
                                                               shift-invariant)
-        S   = sum_v exp(z_v - m)             all-reduce SUM  } stacked into one all-reduce:
-        z_t - m                              all-reduce SUM  } only the rank owning t has it,
-        sum_v (z_v - m)  (label smoothing)   all-reduce SUM  } the others add 0
-        loss = log S - (z_t - m)                                     (eps = 0)
-             = (1 - eps) (log S - (z_t - m)) + eps (log S - sum_v (z_v - m) / V)
+        S   = sum_v exp(z_v - c)             all-reduce SUM  } stacked into one all-reduce:
+        z_t - c                              all-reduce SUM  } only the rank owning t has it,
+        sum_v (z_v - c)  (label smoothing)   all-reduce SUM  } the others add 0
+        loss = log S - (z_t - c)                                     (eps = 0)
+             = (1 - eps) (log S - (z_t - c)) + eps (log S - sum_v (z_v - c) / V)
 
-    backward, with softmax q_v = exp(z_v - m) / S kept from forward (this rank's columns only):
+    backward, with softmax q_v = exp(z_v - c) / S kept from forward (this rank's columns only):
         dz_v = dloss * (q_v - (1 - eps) [v == t] - eps / V)
     which each rank computes for its own columns with no communication at all.
     """
@@ -99,8 +99,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_local, labels, group, vocab_size, ignore_index, label_smoothing):
         start, end = vocab_range(vocab_size, group)
         z = logits_local.float()
-        m = all_reduce_(z.max(dim=-1).values, group, op=dist.ReduceOp.MAX)  # [N]
-        z = z - m.unsqueeze(-1)  # [N, V/p], all <= 0
+        c = all_reduce_(z.max(dim=-1).values, group, op=dist.ReduceOp.MAX)  # [N]
+        z = z - c.unsqueeze(-1)  # [N, V/p], all <= 0
         exp = z.exp()
 
         counted = labels != ignore_index
