@@ -1,9 +1,9 @@
-"""Tensor parallelism applied to a model of your own: a plan in PyTorch's words (plan.py) and
-the check against one device (compare.py)."""
+"""Tensor parallelism applied to a model of your own: a plan in PyTorch's words (its styles in
+styles.py, read and carried out by plan.py) and the check against one device (compare.py)."""
 from .compare import Comparison, compare_with_one_device
-from .plan import (ColwiseParallel, NoParallel, PrepareModuleInput, PrepareModuleOutput,
-                   RowwiseParallel, SequenceParallel, matching_modules, parallelize_module,
-                   rank_major_rows, resolve_plan, torch_plan)
+from .plan import matching_modules, parallelize_module, rank_major_rows, resolve_plan, torch_plan
+from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput, PrepareModuleOutput,
+                     RowwiseParallel, SequenceParallel)
 
 __all__ = ["ColwiseParallel", "Comparison", "NoParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel",

@@ -61,7 +61,6 @@ p does not divide (refused, not padded: padding would change the model's output 
 import difflib
 import fnmatch
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -72,121 +71,10 @@ from ..comm import all_reduce_, group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
-from .layers import (PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout,
-                     redistribute)
-
-
-# ----------------------------------------------------------------------------------------------
-# The styles: what a plan says about one module
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ColwiseParallel:
-    """An nn.Linear's output features split over the ranks (PlannedColumn)."""
-    input_layouts: object = None  # None: Replicate()
-    output_layouts: object = None  # None: Shard(-1)
-    use_local_output: bool = True  # accepted for PyTorch's sake: our outputs are plain tensors
-    output_shape: tuple = None  # the rows flatten this shape (a fused projection)
-    split_dim: int = 0  # the dim of output_shape split over the ranks
-
-
-@dataclass(frozen=True)
-class RowwiseParallel:
-    """An nn.Linear's input features (or an nn.Embedding's rows) split (PlannedRow / Embedding)."""
-    input_layouts: object = None  # None: Shard(-1)
-    output_layouts: object = None  # None: Replicate()
-    use_local_output: bool = True
-
-
-@dataclass(frozen=True)
-class SequenceParallel:
-    """A module on this rank's part of dim `sequence_dim`, its parameters whole, their
-    gradients summed over the group; a dropout's mask one device's."""
-    sequence_dim: int = 1
-    use_local_output: bool = False
-
-
-@dataclass(frozen=True)
-class NoParallel:
-    """A module whose parameters every rank holds whole and uses on the same data."""
-
-
-@dataclass(frozen=True)
-class PrepareModuleInput:
-    """A module's inputs moved from their layouts to the desired ones (Shard(d) <-> Replicate())."""
-    input_layouts: object = None  # one layout per positional input (None: not a tensor)
-    desired_input_layouts: object = None
-    input_kwarg_layouts: dict = None
-    desired_input_kwarg_layouts: dict = None
-    use_local_output: bool = False
-
-
-@dataclass(frozen=True)
-class PrepareModuleOutput:
-    """A module's outputs moved from their layouts to the desired ones."""
-    output_layouts: object = None
-    desired_output_layouts: object = None
-    use_local_output: bool = True
-
-
-STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
-          PrepareModuleOutput)
-
-
-def _layout(value, default):
-    value = default if value is None else value
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    return value
-
-
-def _seq_dim(layout, what, where):
-    """The sequence dim a layout names: Shard(d) -> d, Replicate() -> None."""
-    if isinstance(layout, Replicate):
-        return None
-    if isinstance(layout, Shard):
-        return layout.dim
-    raise ValueError(f"{where}: {what}={layout!r}: valid are Shard(d) (the sequence split along "
-                     f"dim d) and Replicate()")
-
-
-def _pairs(have, want, where):
-    """The layouts as two equally long tuples, each pair one the functions above move between."""
-    have = have if isinstance(have, (tuple, list)) else (have,)
-    want = want if isinstance(want, (tuple, list)) else (want,)
-    if len(have) != len(want):
-        raise ValueError(f"{where}: {len(have)} layouts given, {len(want)} desired; give one "
-                         f"per input (None where it is not a tensor)")
-    for a, b in zip(have, want):
-        if (a is None) != (b is None) or not (a == b or {type(a), type(b)} == {Shard, Replicate}
-                                              or a is None):
-            raise ValueError(f"{where}: {a!r} -> {b!r}: valid moves are Shard(d) -> Replicate() "
-                             f"(all-gather) and Replicate() -> Shard(d) (this rank's slice)")
-    return tuple(have), tuple(want)
-
-
-def _prepare(style, group, where):
-    """The hook functions of a PrepareModuleInput / PrepareModuleOutput."""
-    if isinstance(style, PrepareModuleOutput):
-        have, want = _pairs(style.output_layouts, style.desired_output_layouts, where)
-
-        def output_hook(module, args, output):
-            single = not isinstance(output, tuple)
-            moved = tuple(redistribute(x, a, b, group, where)
-                          for x, a, b in zip((output,) if single else output, have, want))
-            return moved[0] if single else moved
-        return output_hook
-    have, want = _pairs(style.input_layouts, style.desired_input_layouts, where)
-    kw_have = style.input_kwarg_layouts or {}
-    kw_want = style.desired_input_kwarg_layouts or {}
-    _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
-
-    def input_hook(module, args, kwargs):
-        args = tuple(redistribute(x, a, b, group, where) for x, a, b in zip(args, have, want)) \
-            + tuple(args[len(have):])
-        kwargs = {k: redistribute(v, kw_have.get(k), kw_want.get(k), group, where)
-                  for k, v in kwargs.items()}
-        return args, kwargs
-    return input_hook
+from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
+from .styles import (STYLES, ColwiseParallel, NoParallel, PrepareModuleInput,
+                     PrepareModuleOutput, RowwiseParallel, SequenceParallel, layout_or,
+                     layout_pairs, prepare_hook, sequence_dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,8 +106,8 @@ def _check_style(name, module, style, p):
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by columns here; "
                              f"ColwiseParallel takes an nn.Linear")
-        _seq_dim(_layout(style.input_layouts, Replicate()), "input_layouts", where)
-        out = _layout(style.output_layouts, Shard(-1))
+        sequence_dim(layout_or(style.input_layouts, Replicate()), "input_layouts", where)
+        out = layout_or(style.output_layouts, Shard(-1))
         if not (isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim == -1)):
             raise ValueError(f"{where}: output_layouts={out!r}: valid are Shard(-1) (this "
                              f"rank's features) and Replicate() (gathered)")
@@ -242,9 +130,9 @@ def _check_style(name, module, style, p):
             raise ValueError(f"{where}: output_layouts=Replicate() with an output_shape: the "
                              f"gathered rows would be in rank order, not the layer's")
     elif isinstance(style, RowwiseParallel):
-        inp = _layout(style.input_layouts, Shard(-1) if isinstance(module, nn.Linear)
+        inp = layout_or(style.input_layouts, Shard(-1) if isinstance(module, nn.Linear)
                       else Replicate())
-        out = _seq_dim(_layout(style.output_layouts, Replicate()), "output_layouts", where)
+        out = sequence_dim(layout_or(style.output_layouts, Replicate()), "output_layouts", where)
         if isinstance(module, nn.Linear):
             if not (isinstance(inp, Shard) and inp.dim == -1):
                 raise ValueError(f"{where}: input_layouts={inp!r}: a row-parallel Linear takes "
@@ -262,11 +150,11 @@ def _check_style(name, module, style, p):
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
                              f"RowwiseParallel takes an nn.Linear or an nn.Embedding")
     elif isinstance(style, PrepareModuleOutput):
-        _pairs(style.output_layouts, style.desired_output_layouts, where)
+        layout_pairs(style.output_layouts, style.desired_output_layouts, where)
     elif isinstance(style, PrepareModuleInput):
-        _pairs(style.input_layouts, style.desired_input_layouts, where)
+        layout_pairs(style.input_layouts, style.desired_input_layouts, where)
         kw_have, kw_want = style.input_kwarg_layouts or {}, style.desired_input_kwarg_layouts or {}
-        _pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
+        layout_pairs(tuple(kw_have.get(k) for k in kw_want), tuple(kw_want.values()), where)
     elif isinstance(style, SequenceParallel) and isinstance(module, nn.Dropout) and \
             style.sequence_dim < 0:
         raise ValueError(f"{where}: sequence_dim={style.sequence_dim}: give it as a dim >= 0")
@@ -353,20 +241,20 @@ def _replacement(name, mod, style, group, overlap):
     """The module that takes `mod`'s place (or `mod` itself, changed in place)."""
     where = f"{type(style).__name__} at {name!r}"
     if isinstance(style, ColwiseParallel):
-        out = _layout(style.output_layouts, Shard(-1))
+        out = layout_or(style.output_layouts, Shard(-1))
         return PlannedColumn(mod, group, overlap,
-                             _seq_dim(_layout(style.input_layouts, Replicate()), "", where),
+                             sequence_dim(layout_or(style.input_layouts, Replicate()), "", where),
                              isinstance(out, Replicate), style.output_shape, style.split_dim,
                              where)
     if isinstance(style, RowwiseParallel):
-        out = _seq_dim(_layout(style.output_layouts, Replicate()), "", where)
+        out = sequence_dim(layout_or(style.output_layouts, Replicate()), "", where)
         if isinstance(mod, nn.Embedding):
             return PlannedEmbedding(mod, group, out, where)
         return PlannedRow(mod, group, overlap, out, where)
     if isinstance(style, PrepareModuleInput):
-        mod.register_forward_pre_hook(_prepare(style, group, where), with_kwargs=True)
+        mod.register_forward_pre_hook(prepare_hook(style, group, where), with_kwargs=True)
     if isinstance(style, PrepareModuleOutput):
-        mod.register_forward_hook(_prepare(style, group, where))
+        mod.register_forward_hook(prepare_hook(style, group, where))
     if isinstance(style, SequenceParallel):
         if isinstance(mod, nn.Dropout):
             return SequenceParallelDropout(mod.p, style.sequence_dim, group)
