@@ -165,7 +165,7 @@ class Op:
         self.seq_comm_s.append(sum(t.seconds for t in timers))  # CUDA: read after queueing
 
 
-def _timed(fn, device, group):
+def timed(fn, device, group):
     """(time, CPU of the whole process, CPU of this thread) seconds of one call of `fn`. The
     time is the host's on CPU, the GPU's (CUDA events on this rank's stream) on CUDA. Process
     minus thread CPU is what gloo's own threads spent (meaningful on CPU only)."""
@@ -178,9 +178,9 @@ def _timed(fn, device, group):
 
 def _median_max(fn, device, group, iters):
     """Median over `iters` runs of the slowest rank's time."""
-    times = reduce_numbers([_timed(fn, device, group)[0] for _ in range(iters)], group,
+    times = reduce_numbers([timed(fn, device, group)[0] for _ in range(iters)], group,
                            dist.ReduceOp.MAX)
-    return _median(times)
+    return median(times)
 
 
 def choose_ffn(s, b, h, group, device, dtype, ratio=TARGET_COMM_OVER_GEMM):
@@ -228,15 +228,15 @@ def run(spec):
         cpu, cpu_main = [], []
         for _ in range(spec.bench_iters):
             for variant, fn in fns.items():  # interleaved: slow drifts in load hit all alike
-                wall, proc, main = _timed(fn, device, group)
+                wall, proc, main = timed(fn, device, group)
                 times[variant].append(wall)
                 if variant == "comm":
                     cpu.append(proc)
                     cpu_main.append(main)
         phases = []
         for comm, gemm, order in op.phases:  # per-phase alone times, for the schedule ceiling
-            phases.append({"comm": [_timed(comm, device, group)[0] for _ in range(9)],
-                           "gemm": [_timed(gemm, device, group)[0] for _ in range(9)],
+            phases.append({"comm": [timed(comm, device, group)[0] for _ in range(9)],
+                           "gemm": [timed(gemm, device, group)[0] for _ in range(9)],
                            "order": order})
         raw[name] = {"times": times, "comm_cpu": cpu, "comm_cpu_main": cpu_main,
                      "seq_comm": op.seq_comm_s[-len(times["seq"]):], "phases": phases}
@@ -246,7 +246,7 @@ def run(spec):
             "raw": raw, "device": device.type}
 
 
-def _median(values):
+def median(values):
     return float(torch.tensor(values, dtype=torch.float64).median())
 
 
@@ -286,7 +286,7 @@ def _over_max_blocks(slowest, variant, k=ROUNDS_PER_BLOCK):
     the op and its reference alike."""
     ratios = []
     for start in range(0, len(slowest["comm"]), k):
-        med = {v: _median(slowest[v][start:start + k]) for v in (variant, "comm", "gemm")}
+        med = {v: median(slowest[v][start:start + k]) for v in (variant, "comm", "gemm")}
         ratios.append(med[variant] / max(med["comm"], med["gemm"]))
     return {**distribution(ratios), "rounds_per_block": k, "values": ratios}
 
@@ -299,20 +299,20 @@ def summarize(per_rank):
     for name, label in OPS.items():
         slowest = {v: [max(r["raw"][name]["times"][v][i] for r in per_rank)
                        for i in range(len(first["raw"][name]["times"][v]))] for v in VARIANTS}
-        t = {v: _median(slowest[v]) for v in VARIANTS}
-        c_comm = max(_median(r["raw"][name]["comm_cpu"]) for r in per_rank)
-        c_main = max(_median(r["raw"][name]["comm_cpu_main"]) for r in per_rank)
+        t = {v: median(slowest[v]) for v in VARIANTS}
+        c_comm = max(median(r["raw"][name]["comm_cpu"]) for r in per_rank)
+        c_main = max(median(r["raw"][name]["comm_cpu_main"]) for r in per_rank)
         # The schedule ceiling from the per-phase times alone (numerator and denominator from
         # the same measurements, so it lies in [0, 1]).
-        phases = [(max(_median(ph["comm"]) for ph in ranks),
-                   max(_median(ph["gemm"]) for ph in ranks),
+        phases = [(max(median(ph["comm"]) for ph in ranks),
+                   max(median(ph["gemm"]) for ph in ranks),
                    ranks[0].get("order", "comm first"))
                   for ranks in zip(*(r["raw"][name]["phases"] for r in per_rank))]
         bound = sum(schedule_time(c, g, p, m, order) for c, g, order in phases)
         saved = sum(c + g for c, g, _ in phases) - bound
         ceiling = saved / min(sum(c for c, _, _ in phases), sum(g for _, g, _ in phases))
         hideable = min(t["comm"], t["gemm"])
-        seq_comm = _median([max(r["raw"][name]["seq_comm"][i] for r in per_rank)
+        seq_comm = median([max(r["raw"][name]["seq_comm"][i] for r in per_rank)
                             for i in range(len(first["raw"][name]["seq_comm"]))])
         hidden_vs_parts = (t["comm"] + t["gemm"] - t["overlap"]) / hideable
         hidden = (t["seq"] - t["overlap"]) / hideable

@@ -397,7 +397,8 @@ def summary_text(results):
                       f"over rounds of the slowest rank): s={sh['s']} "
                       f"b={sh['b']} h={sh['h']} m={sh['f']} p={sh['p']} {sh['dtype']}"
                       + (f", ring pieces {sh['pieces']}" if "pieces" in sh else "")
-                      + (" (MLP size m calibrated so comm ~ 0.4 x GEMM)" if sh["calibrated"] else "")]
+                      + (" (MLP size m calibrated so comm ~ 0.4 x GEMM)"
+                         if sh["calibrated"] else "")]
         # Results written before the schedule bound was reported render as they did then.
         bounded = all("schedule_bound_ms" in row for row in bench["ops"].values())
         lines.append(f"{'op':<36}{'comm':>7}{'gemm':>7}{'seq':>7}{'overlap':>8}{'basic':>7}"

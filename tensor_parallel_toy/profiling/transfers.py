@@ -18,9 +18,9 @@ import contextlib
 import torch.distributed as dist
 
 # entry point -> (kind, where the tensor whose bytes count is among the positional arguments)
-_WATCHED = {"all_gather_single": ("all-gather", 1), "reduce_scatter_single": ("reduce-scatter", 1),
-            "all_gather": ("all-gather", 1), "all_reduce": ("all-reduce", 0),
-            "broadcast": ("broadcast", 0)}
+COLLECTIVES = {"all_gather_single": ("all-gather", 1),
+               "reduce_scatter_single": ("reduce-scatter", 1), "all_gather": ("all-gather", 1),
+               "all_reduce": ("all-reduce", 0), "broadcast": ("broadcast", 0)}
 
 
 class _AllOf:
@@ -34,21 +34,40 @@ class _AllOf:
             work.wait()
 
 
-def _nbytes(t):
+def nbytes(t):
     return t.numel() * t.element_size()
+
+
+def sent_by_ring_step(ops):
+    """The bytes a batch_isend_irecv call sends: its isends' tensors."""
+    return sum(nbytes(op.tensor) for op in ops if op.op is dist.isend)
+
+
+@contextlib.contextmanager
+def wrapped(wrap):
+    """Inside, torch.distributed's entry points the package's transfers use (COLLECTIVES and
+    batch_isend_irecv) are `wrap(name, original)`; the originals are back afterwards, also
+    after an error."""
+    originals = {name: getattr(dist, name) for name in (*COLLECTIVES, "batch_isend_irecv")}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def _watched_collective(fn, kind, where, recorder):
     def call(*args, **kwargs):
-        return recorder.transfer(kind, _nbytes(args[where]), lambda: fn(*args, **kwargs))
+        return recorder.transfer(kind, nbytes(args[where]), lambda: fn(*args, **kwargs))
     call.recording = True
     return call
 
 
 def _watched_ring_step(fn, recorder):
     def call(ops):
-        sent = sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
-        handle = recorder.transfer("ring", sent, lambda: _AllOf(fn(ops)))
+        handle = recorder.transfer("ring", sent_by_ring_step(ops), lambda: _AllOf(fn(ops)))
         return [handle]
     call.recording = True
     return call
@@ -59,12 +78,11 @@ def recording(recorder):
     """Report every transfer made inside the block to `recorder` (see the module docstring)."""
     if getattr(dist.all_reduce, "recording", False):
         raise RuntimeError("a recording of the transfers is already active")
-    originals = {name: getattr(dist, name) for name in (*_WATCHED, "batch_isend_irecv")}
-    try:
-        for name, (kind, where) in _WATCHED.items():
-            setattr(dist, name, _watched_collective(originals[name], kind, where, recorder))
-        dist.batch_isend_irecv = _watched_ring_step(originals["batch_isend_irecv"], recorder)
+
+    def wrap(name, fn):
+        if name == "batch_isend_irecv":
+            return _watched_ring_step(fn, recorder)
+        return _watched_collective(fn, *COLLECTIVES[name], recorder)
+
+    with wrapped(wrap):
         yield recorder
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)

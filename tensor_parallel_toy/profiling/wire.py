@@ -30,6 +30,7 @@ import time
 import torch.distributed as dist
 
 from .link import UNITS
+from .transfers import nbytes, sent_by_ring_step, wrapped
 
 PREFIX = "model:"
 LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3}
@@ -74,10 +75,6 @@ def _split_unit(text, units):
     raise ValueError(text)
 
 
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
 class ModeledWire:
     """One rank's outgoing wire: when it is free, and when a transfer posted now arrives."""
 
@@ -85,14 +82,14 @@ class ModeledWire:
         self.bytes_per_s, self.latency_s = bits_per_s / 8, latency_s
         self.free_at = 0.0
 
-    def arrival(self, nbytes, hops):
+    def arrival(self, sent, hops):
         start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + nbytes / self.bytes_per_s
+        self.free_at = start + sent / self.bytes_per_s
         return self.free_at + hops * self.latency_s
 
-    def delivery_s(self, nbytes, hops=1):
+    def delivery_s(self, sent, hops=1):
         """The model's time for one transfer alone on the wire (for tests and reports)."""
-        return nbytes / self.bytes_per_s + hops * self.latency_s
+        return sent / self.bytes_per_s + hops * self.latency_s
 
 
 class _Arriving:
@@ -117,12 +114,12 @@ def _sleep_until(at):
 def _sent(name, args, p):
     """(bytes this rank puts on the wire, hops) for one call of `name`."""
     if name in ("all_gather_single", "all_gather"):
-        return (p - 1) * _nbytes(args[1]), p - 1
+        return (p - 1) * nbytes(args[1]), p - 1
     if name == "reduce_scatter_single":
-        return (p - 1) * _nbytes(args[1]) // p, p - 1
+        return (p - 1) * nbytes(args[1]) // p, p - 1
     if name == "all_reduce":
-        return 2 * (p - 1) * _nbytes(args[0]) // p, 2 * (p - 1)
-    return _nbytes(args[0]), 1  # broadcast
+        return 2 * (p - 1) * nbytes(args[0]) // p, 2 * (p - 1)
+    return nbytes(args[0]), 1  # broadcast
 
 
 def _group_size(kwargs):
@@ -131,8 +128,8 @@ def _group_size(kwargs):
 
 def _wired_collective(name, fn, wire):
     def call(*args, **kwargs):
-        nbytes, hops = _sent(name, args, _group_size(kwargs))
-        arrival = wire.arrival(nbytes, hops)  # posted now, whether or not the call blocks
+        sent, hops = _sent(name, args, _group_size(kwargs))
+        arrival = wire.arrival(sent, hops)  # posted now, whether or not the call blocks
         work = fn(*args, **kwargs)
         if work is None:  # a blocking call: the host waits for the wire here
             _sleep_until(arrival)
@@ -143,8 +140,7 @@ def _wired_collective(name, fn, wire):
 
 def _wired_ring_step(fn, wire):
     def call(ops):
-        nbytes = sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend)
-        arrival = wire.arrival(nbytes, 1)
+        arrival = wire.arrival(sent_by_ring_step(ops), 1)
         works = fn(ops)
         return [_Arriving(work, arrival) for work in works]
     return call
@@ -154,17 +150,14 @@ def _wired_ring_step(fn, wire):
 def modeled(description):
     """Inside, every transfer of this rank crosses the modeled wire `description` (`parse`)."""
     wire = ModeledWire(description["bits_per_s"], description["latency_s"])
-    names = ("all_gather_single", "all_gather", "reduce_scatter_single", "all_reduce",
-             "broadcast")
-    originals = {name: getattr(dist, name) for name in (*names, "batch_isend_irecv")}
-    try:
-        for name in names:
-            setattr(dist, name, _wired_collective(name, originals[name], wire))
-        dist.batch_isend_irecv = _wired_ring_step(originals["batch_isend_irecv"], wire)
+
+    def wrap(name, fn):
+        if name == "batch_isend_irecv":
+            return _wired_ring_step(fn, wire)
+        return _wired_collective(name, fn, wire)
+
+    with wrapped(wrap):
         yield wire
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def run_on_wire(description, fn, *args):

@@ -21,50 +21,38 @@ allows (the veth sweep, sweep.py, measures that).
 """
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from ..guards.collectives import barrier, reduce_numbers
+from ..guards.collectives import reduce_numbers
 from ..launcher.initialize import WorkerPool, current_device
 from . import plots, wire
-from .bench_overlap import Op, schedule_time
+from .bench_overlap import Op, median, schedule_time, timed
 from .output import write_text
+from .spec import DTYPES
 
 PIECES = (1, 2, 4, 8)
 ROUNDS = 15
-
-
-def _slowest(times, group):
-    return reduce_numbers(times, group, dist.ReduceOp.MAX)
 
 
 def _point(description, pieces, shape, dtype_name, rounds):
     """On every rank, on the modeled wire: the column forward's variants timed `rounds` times,
     interleaved; the slowest rank's seconds of each round."""
     group, device = dist.group.WORLD, current_device()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     s, b, h, f = shape
     torch.manual_seed(1234)
     with wire.modeled(description):
-        op = Op("column_fwd", s, b, h, f, group, device, dtype, overlap=pieces)
+        op = Op("column_fwd", s, b, h, f, group, device, DTYPES[dtype_name], overlap=pieces)
         (comm, gemm, _), = op.phases
         variants = {"comm": comm, "gemm": gemm, "overlap": op.overlap}
         for fn in variants.values():  # warm-up
             fn()
         times = {v: [] for v in variants}
-        for _ in range(rounds):
+        for _ in range(rounds):  # interleaved, as the benchmark times its variants
             for name, fn in variants.items():
-                barrier(group)
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return {v: _slowest(t, group) for v, t in times.items()}
-
-
-def _median(values):
-    return float(torch.tensor(values, dtype=torch.float64).median())
+                times[name].append(timed(fn, device, group)[0])
+    return {v: reduce_numbers(t, group, dist.ReduceOp.MAX) for v, t in times.items()}
 
 
 def measure(pool, spec, rates, shape, rounds=ROUNDS, pieces=PIECES, say=print):
@@ -74,7 +62,7 @@ def measure(pool, spec, rates, shape, rounds=ROUNDS, pieces=PIECES, say=print):
     for description in rates:
         for m in pieces:
             t = pool.run(_point, description, m, shape, spec.dtype, rounds)[0]
-            med = {v: _median(ts) for v, ts in t.items()}
+            med = {v: median(ts) for v, ts in t.items()}
             bound = schedule_time(med["comm"], med["gemm"], p, m)
             point = {"rate": description["rate"], "bits_per_s": description["bits_per_s"],
                      "pieces": m, **{f"t_{v}_ms": x * 1e3 for v, x in med.items()},
@@ -94,11 +82,9 @@ def measure(pool, spec, rates, shape, rounds=ROUNDS, pieces=PIECES, say=print):
 def run(args):
     """The whole sweep on a local pool; writes wire_sweep.json and wire_sweep.png."""
     spec = args.spec
-    s, b, h = spec.seq, spec.batch, spec.config.hidden_size
-    f = spec.bench_shape[3] if spec.bench_shape else 2 * spec.config.ffn_hidden_size
-    if spec.bench_shape:
-        s, b, h, _ = spec.bench_shape
-    shape = (s, b, h, f)
+    shape = spec.bench_shape or (spec.seq, spec.batch, spec.config.hidden_size,
+                                 2 * spec.config.ffn_hidden_size)
+    s, b, h, f = shape
     print(f"wire sweep: column forward AG+GEMM, s={s} b={b} h={h} f={f} p={spec.tp} "
           f"{spec.dtype}, on a MODELED wire (not a network), rates "
           f"{', '.join(d['rate'] for d in args.wire_rates)}, ring pieces {PIECES}", flush=True)
