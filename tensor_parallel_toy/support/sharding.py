@@ -28,6 +28,7 @@ Parameter, and attributes on the old one are gone. They keep the modules and the
 names, so `record_layouts` copies the marks into a `Layout` per parameter, held by the module
 that owns it; `named_layouts` reads them back from a wrapped model or a bare one.
 """
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -59,15 +60,16 @@ class RowSplit:
     def full_rows(self):
         return int(self.rows.max()) + 1
 
+    @functools.cached_property
     def first_holder(self):
-        """The lowest rank holding each full row, `[full_rows]`."""
+        """The lowest rank holding each full row, `[full_rows]` (computed once)."""
         ranks = torch.arange(len(self.rows)).unsqueeze(1).expand_as(self.rows)
         first = torch.full((self.full_rows,), len(self.rows))
         return first.scatter_reduce(0, self.rows.flatten(), ranks.flatten(), "amin")
 
     def counted(self, rank):
         """A bool per row of `rank`: True where it is the first rank holding that row."""
-        return self.first_holder()[self.rows[rank]] == rank
+        return self.first_holder[self.rows[rank]] == rank
 
     def shared(self, rank):
         """(local, slot, n): this rank's rows that other ranks hold too (local indices), their
