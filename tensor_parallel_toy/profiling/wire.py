@@ -7,9 +7,11 @@ a transfer runs on NCCL's stream, a copy engine or a NIC, beside the GEMM. This 
 such a wire inside each rank, from outside the library (it wraps torch.distributed's entry
 points, as transfers.py does):
 
-- every transfer still runs over gloo on loopback (fast: the bytes are really moved, and the
-  results are the package's own), but completes only at its modeled arrival time, and the
-  host *sleeps* until then rather than computing the wire;
+- every transfer's bytes really move, so the results are the package's own, but through
+  shared memory between the ranks (shared_wire.py: one copy in at the post, one copy out at
+  the wait, at memory speed), not through gloo's socket, whose copies would run on the posting
+  thread; the transfer completes only at its modeled arrival time, and the host *sleeps* until
+  then rather than computing the wire;
 - the arrival time: the rank's outgoing wire carries one transfer at a time, so a transfer
   posted at t starts at max(t, the end of the previous one), takes bytes / rate on the wire,
   and arrives `latency` per hop after that;
@@ -25,10 +27,12 @@ its functional collectives, which this wrapper does not see: a modeled run leave
 modes out. Every output of such a run says that the link is a model, not a measurement.
 """
 import contextlib
+import inspect
 import time
 
 import torch.distributed as dist
 
+from . import shared_wire
 from .link import UNITS
 from .transfers import nbytes, sent_by_ring_step, wrapped
 
@@ -95,14 +99,13 @@ class ModeledWire:
 class _Arriving:
     """A posted transfer's handle whose wait() also waits for the modeled arrival."""
 
-    def __init__(self, work, arrival):
-        self.work, self.at = work, arrival
+    def __init__(self, transfer, arrival):
+        self.transfer, self.at = transfer, arrival
 
     def wait(self):
-        if self.work is not None:
-            self.work.wait()
+        self.transfer.wire.move_all()  # copy out what is already here while the wire runs
         _sleep_until(self.at)
-        return True
+        return self.transfer.wait()
 
 
 def _sleep_until(at):
@@ -111,53 +114,68 @@ def _sleep_until(at):
         time.sleep(left)
 
 
-def _sent(name, args, p):
-    """(bytes this rank puts on the wire, hops) for one call of `name`."""
-    if name in ("all_gather_single", "all_gather"):
-        return (p - 1) * nbytes(args[1]), p - 1
+def _call(name, fn, args, kwargs, shared):
+    """One call of torch.distributed's `name`, carried over the shared wire: (bytes this rank
+    puts on the modeled wire at ring cost, hops, async_op, post() -> the posted transfer)."""
+    a = inspect.signature(fn).bind(*args, **kwargs)
+    a.apply_defaults()
+    a = a.arguments
+    group = a["group"]
+    p = dist.get_world_size(group)
+    if name == "all_gather_single":
+        out, shard = a["output_tensor"], a["input_tensor"]
+        if out.numel() != p * shard.numel() or not out.is_contiguous():
+            raise ValueError(f"all_gather_single: output of {out.numel()} elements for {p} "
+                             f"shards of {shard.numel()}")
+        return ((p - 1) * nbytes(shard), p - 1, a["async_op"],
+                lambda: shared.all_gather_parts(out.chunk(p), shard, group))
+    if name == "all_gather":
+        return ((p - 1) * nbytes(a["tensor"]), p - 1, a["async_op"],
+                lambda: shared.all_gather_parts(a["tensor_list"], a["tensor"], group))
     if name == "reduce_scatter_single":
-        return (p - 1) * nbytes(args[1]) // p, p - 1
+        return ((p - 1) * nbytes(a["input"]) // p, p - 1, a["async_op"],
+                lambda: shared.reduce_scatter(a["output"], a["input"], a["op"], group))
     if name == "all_reduce":
-        return 2 * (p - 1) * nbytes(args[0]) // p, 2 * (p - 1)
-    return nbytes(args[0]), 1  # broadcast
+        return (2 * (p - 1) * nbytes(a["tensor"]) // p, 2 * (p - 1), a["async_op"],
+                lambda: shared.all_reduce(a["tensor"], a["op"], group))
+    src = a["src"] if a["group_src"] is None else dist.get_global_rank(group, a["group_src"])
+    return (nbytes(a["tensor"]), 1, a["async_op"],
+            lambda: shared.broadcast(a["tensor"], src, group))
 
 
-def _group_size(kwargs):
-    return dist.get_world_size(kwargs.get("group"))
-
-
-def _wired_collective(name, fn, wire):
+def _wired_collective(name, fn, wire, shared):
     def call(*args, **kwargs):
-        sent, hops = _sent(name, args, _group_size(kwargs))
-        arrival = wire.arrival(sent, hops)  # posted now, whether or not the call blocks
-        work = fn(*args, **kwargs)
-        if work is None:  # a blocking call: the host waits for the wire here
-            _sleep_until(arrival)
+        sent, hops, async_op, post = _call(name, fn, args, kwargs, shared)
+        handle = _Arriving(None, wire.arrival(sent, hops))  # on the wire from now
+        handle.transfer = post()
+        if not async_op:  # a blocking call: the host waits for the wire here
+            handle.wait()
             return None
-        return _Arriving(work, arrival)
+        return handle
     return call
 
 
-def _wired_ring_step(fn, wire):
+def _wired_ring_step(wire, shared):
     def call(ops):
         arrival = wire.arrival(sent_by_ring_step(ops), 1)
-        works = fn(ops)
-        return [_Arriving(work, arrival) for work in works]
+        return [_Arriving(shared.ring_step(ops), arrival)]
     return call
 
 
 @contextlib.contextmanager
-def modeled(description):
-    """Inside, every transfer of this rank crosses the modeled wire `description` (`parse`)."""
+def modeled(description, capacity=shared_wire.CAPACITY):
+    """Inside, every transfer of this rank crosses the modeled wire `description` (`parse`),
+    its bytes through shared memory (shared_wire.py). Collective: every rank enters it."""
     wire = ModeledWire(description["bits_per_s"], description["latency_s"])
+    with shared_wire.shared_wire(capacity) as shared:
 
-    def wrap(name, fn):
-        if name == "batch_isend_irecv":
-            return _wired_ring_step(fn, wire)
-        return _wired_collective(name, fn, wire)
+        def wrap(name, fn):
+            if name == "batch_isend_irecv":
+                return _wired_ring_step(wire, shared)
+            return _wired_collective(name, fn, wire, shared)
 
-    with wrapped(wrap):
-        yield wire
+        with wrapped(wrap):
+            yield wire
 
 
 def run_on_wire(description, fn, *args):

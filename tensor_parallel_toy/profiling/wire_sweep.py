@@ -30,6 +30,7 @@ from ..launcher.initialize import WorkerPool, current_device
 from . import plots, wire
 from .bench_overlap import Op, median, schedule_time, timed
 from .output import write_text
+from .phases import keep_freed_memory
 from .spec import DTYPES
 
 PIECES = (1, 2, 4, 8)
@@ -39,6 +40,7 @@ ROUNDS = 15
 def _point(description, pieces, shape, dtype_name, rounds):
     """On every rank, on the modeled wire: the column forward's variants timed `rounds` times,
     interleaved; the slowest rank's seconds of each round."""
+    keep_freed_memory()
     group, device = dist.group.WORLD, current_device()
     s, b, h, f = shape
     torch.manual_seed(1234)

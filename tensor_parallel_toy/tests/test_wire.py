@@ -2,9 +2,13 @@
 bound it is compared with (bench_overlap.schedule_time).
 
 The wire must deliver a transfer of a known size at its model's time (bytes / rate + latency,
-one transfer at a time per direction), with the bytes really moved; a run on it must say in
-its results that the link is a model.
+one transfer at a time per direction), with the bytes really moved through shared memory
+(shared_wire.py): the package's model trained on it matches the baseline in every gradient,
+a message larger than a stream's buffer passes both ways at once, ranks that call different
+transfers are told so at once instead of hanging, and no shared file is left behind. A run on
+it must say in its results that the link is a model.
 """
+import os
 import json
 import time
 
@@ -14,10 +18,12 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.comm import all_gather_seq
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases, plots, wire, wire_sweep
+from tensor_parallel_toy.profiling import phases, plots, shared_wire, wire, wire_sweep
 from tensor_parallel_toy.profiling.bench_overlap import schedule_time
 from tensor_parallel_toy.profiling.spec import ProfileSpec
 from tensor_parallel_toy.ring import Ring
+
+from .helpers import CONFIG, assert_matches_baseline, assert_one_line, compare_on_world
 
 RATE = "1gbit"
 LATENCY_S = 50e-6
@@ -91,6 +97,96 @@ def test_modeled_wire_delivers_a_known_size_at_its_model_time(pools):
             assert min(times) <= model * (1 + WITHIN), (
                 f"rank {rank}, {what}: fastest of {len(times)} {min(times) * 1e3:.2f} ms against "
                 f"the model's {model * 1e3:.2f} ms (allowed {(1 + WITHIN) * model * 1e3:.2f})")
+
+
+def _wire_files():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("tensor_parallel_toy-wire")} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+def _on_rank_train_on_the_wire(pieces):
+    """compare_with_baseline with every transfer of the TP model on a fast modeled wire."""
+    with wire.modeled(wire.parse("model:100gbit:1us")):
+        return compare_on_world(CONFIG, overlap=pieces, steps=2), _wire_files()
+
+
+@pytest.mark.parametrize("world_size, pieces", [(2, 2), (3, 1)])
+def test_the_model_trained_on_the_shared_wire_matches_the_baseline(pools, world_size, pieces):
+    """Ring steps, all-gathers, reduce-scatters and all-reduces carried through shared memory:
+    logits, loss, every gradient, the norm and the parameters as on one device; the shared
+    file is gone as soon as every rank has mapped it."""
+    per_rank = pools(world_size).run(_on_rank_train_on_the_wire, pieces)
+    assert all(not files for _, files in per_rank), per_rank
+    assert_matches_baseline([errors for errors, _ in per_rank], CONFIG,
+                            f"TP {world_size} on the shared wire, {pieces} ring pieces")
+
+
+def _on_rank_large_messages_and_every_collective():
+    """With 4 KiB streams: 100 KiB each way at once (a message 25 times the buffer), then
+    every collective the wire carries against gloo's own answer."""
+    group, p, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(r)
+    x = torch.randn(25 * 1024)
+    expected = {"sum": x.clone(), "max": x.clone(), "gather": [torch.empty_like(x) for _ in
+                                                              range(p)]}
+    dist.all_reduce(expected["sum"])
+    dist.all_reduce(expected["max"], op=dist.ReduceOp.MAX)
+    dist.all_gather(expected["gather"], x)
+    rs = torch.empty(x.numel() // p)
+    dist.reduce_scatter_tensor(rs, x[:rs.numel() * p])
+    b = x.clone()
+    dist.broadcast(b, src=p - 1)
+    with wire.modeled(wire.parse("model:100gbit:1us"), capacity=4096):
+        received = torch.empty_like(x)
+        Ring(group).shift(x, received).wait()
+        got_sum, got_max, got_b = x.clone(), x.clone(), x.clone()
+        dist.all_reduce(got_sum)
+        handle = dist.all_reduce(got_max, op=dist.ReduceOp.MAX, async_op=True)
+        handle.wait()
+        parts = [torch.empty_like(x) for _ in range(p)]
+        dist.all_gather(parts, x)
+        got_rs = torch.empty_like(rs)
+        dist.reduce_scatter_single(got_rs, x[:rs.numel() * p])
+        dist.broadcast(got_b, src=p - 1)
+    return {"ring": torch.equal(received, expected["gather"][(r - 1) % p]),
+            "all-reduce": torch.allclose(got_sum, expected["sum"], rtol=1e-6, atol=1e-6),
+            "all-reduce max": torch.equal(got_max, expected["max"]),
+            "all-gather": all(torch.equal(a, b_) for a, b_ in zip(parts, expected["gather"])),
+            "reduce-scatter": torch.allclose(got_rs, rs, rtol=1e-6, atol=1e-6),
+            "broadcast": torch.equal(got_b, b)}, got_sum
+
+
+def test_messages_larger_than_a_stream_pass_both_ways_and_every_collective_is_right(pools):
+    per_rank = pools(3).run(_on_rank_large_messages_and_every_collective)
+    for rank, (right, _) in enumerate(per_rank):
+        assert all(right.values()), f"rank {rank}: {right}"
+    sums = [got_sum for _, got_sum in per_rank]  # reduced in rank order: the same bits
+    assert all(torch.equal(sums[0], other) for other in sums[1:])
+
+
+def _on_rank_mismatched_calls():
+    """Rank 0 all-gathers while rank 1 all-reduces: both must raise, in seconds."""
+    shared_wire.WAIT_LIMIT_S, limit = 5.0, shared_wire.WAIT_LIMIT_S
+    start = time.monotonic()
+    try:
+        with wire.modeled(wire.parse("model:100gbit:1us")):
+            x = torch.ones(1000)
+            if dist.get_rank() == 0:
+                all_gather_seq(x, dist.group.WORLD)
+            else:
+                dist.all_reduce(x)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start, _wire_files()
+    finally:
+        shared_wire.WAIT_LIMIT_S = limit
+    return None, time.monotonic() - start, _wire_files()
+
+
+def test_ranks_calling_different_transfers_are_told_at_once(pools):
+    for rank, (message, seconds, files) in enumerate(pools(2).run(_on_rank_mismatched_calls)):
+        assert message is not None and seconds < 5, (rank, message, seconds)
+        assert_one_line(message, ["expected", "bytes", "different order"], f"rank {rank}")
+        assert not files, files
 
 
 def test_schedule_bound_of_the_ring_in_pieces():
