@@ -208,7 +208,8 @@ class _ModeRun:
         # The other ranks sit idle while the baseline runs: give it the whole machine.
         self.threads = spec.baseline_threads if mode == "baseline" else torch.get_num_threads()
         self.model = build_model(mode, spec.config, self.group, self.device, spec.torch_dtype,
-                                 spec.seed, mesh if two_d else None, spec.check_replicated_grads)
+                                 spec.seed, mesh if two_d else None, spec.check_replicated_grads,
+                                 overlap=spec.overlap)
         self.optimizer = make_optimizer(self.model, spec.lr)
         self.corpus = _corpus(spec.seed)
         self.aligned = mode != "baseline" and world is not None

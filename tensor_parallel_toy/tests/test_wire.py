@@ -189,6 +189,20 @@ def test_ranks_calling_different_transfers_are_told_at_once(pools):
         assert not files, files
 
 
+def _on_rank_training_layers_pieces(pieces):
+    from tensor_parallel_toy.parallel_linear import ColumnParallelLinear, RowParallelLinear
+    from tensor_parallel_toy.profiling import train
+
+    spec = ProfileSpec(config=CONFIG, tp=2, ring_pieces=pieces)
+    model = train._ModeRun("tp_overlap", spec, dist.group.WORLD, dist.get_rank()).model
+    return {m.overlap for m in model.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def test_the_profile_trains_tp_overlap_with_the_ring_pieces_asked_for(pools):
+    assert pools(2).run(_on_rank_training_layers_pieces, 2) == [{2}, {2}]
+
+
 def test_schedule_bound_of_the_ring_in_pieces():
     c, g = 1.0, 1.0
     # p = 2, one piece: the transfer hides under the local chunk's GEMM only.
