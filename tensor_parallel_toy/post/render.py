@@ -26,7 +26,8 @@ SOURCES = {  # placeholder prefix: the committed results file it reads, relative
     "sweep": "link/sweep.json",               # tp and tp_overlap against the link rate
     "llama": "llama/results.json",            # --model llama: SwiGLU, Hugging Face's Llama
     "2d": "2d/results.json",                  # --dp 2: FSDP2 x TP on 4 ranks
-    "wire": "wire/results_model_1gbit.json",  # a MODELED 1 Gbit/s wire (profiling/wire.py)
+    "wire": "wire/results_model_1gbit_m4.json",  # a MODELED 1 Gbit/s wire, rings in 4 pieces
+    "wire4": "wire/results_model_1gbit_m4.json",  # the same, the rings in four pieces
 }
 _PLACEHOLDER = re.compile(r"\{\{\s*(?:([a-z0-9]+):)?([^|}]+?)\s*(?:\|\s*([^}]+?)\s*)?\}\}")
 

@@ -163,7 +163,7 @@ def run_modes(modes, spec):
     world = dist.group.WORLD if dist.is_initialized() else None
     rank = dist.get_rank() if world is not None else 0
     mesh = mesh_2d(spec.dp, spec.tp, current_device().type) if spec.dp > 1 else None
-    runs = {mode: _ModeRun(mode, spec, world, rank, mesh) for mode in modes
+    runs = {mode: ModeRun(mode, spec, world, rank, mesh) for mode in modes
             if mode != "baseline" or rank == 0}
     progress = _Progress(spec.steps, spec.progress and rank == 0)
     for step in range(spec.steps):
@@ -193,7 +193,7 @@ def _sent_bytes():
         return None
 
 
-class _ModeRun:
+class ModeRun:
     """One mode's model, optimizer and measurements on this rank. `world`: every rank (they
     start each step together); `mesh`: the 2-D grid, or None (then the world is the TP group)."""
 

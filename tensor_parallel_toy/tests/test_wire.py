@@ -194,7 +194,7 @@ def _on_rank_training_layers_pieces(pieces):
     from tensor_parallel_toy.profiling import train
 
     spec = ProfileSpec(config=CONFIG, tp=2, ring_pieces=pieces)
-    model = train._ModeRun("tp_overlap", spec, dist.group.WORLD, dist.get_rank()).model
+    model = train.ModeRun("tp_overlap", spec, dist.group.WORLD, dist.get_rank()).model
     return {m.overlap for m in model.modules()
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
