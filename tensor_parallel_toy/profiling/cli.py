@@ -263,6 +263,9 @@ def parse_args(argv, env=os.environ):
 def _check_wire(args, env):
     """--link model:RATE: the wire's description; the modes it cannot carry refused (named)
     or, left to the default, dropped."""
+    if args.dp > 1:
+        raise UsageError(f"--link {args.link} with --dp {args.dp}: the modeled wire carries one "
+                         f"TP group's transfers (FSDP2's do not cross it); use --dp 1")
     if args.device == "cuda":
         raise UsageError(f"--link {args.link}: the modeled wire stands in for a network between "
                          f"CPU ranks (gloo); it cannot be combined with --device cuda")

@@ -11,10 +11,11 @@ the modeled wire's sleep, and what an overlapped op takes is what its schedule a
 Layout: for each ordered pair of ranks (src, dst) a byte stream, a ring buffer of `capacity`
 bytes in the shared file with two counters, `head` (bytes src has written, only src stores it)
 and `tail` (bytes dst has read, only dst stores it). A message is a 24-byte header (a magic
-number, its length, the tag of its call) and its payload; each end matches messages in the order
-it posted them, as every rank posts the transfers of one group in the same order. A message
-larger than what is free is written as the reader frees space: any rank waiting on any transfer
-moves every stream it can, so two ranks sending to each other never wait on each other.
+number, its length, a tag of its kind of call and its group's ranks) and its payload; each end
+matches messages in the order it posted them, as every rank posts the transfers of one group in
+the same order (the profile runs the wire on one TP group: `--dp 1`). A message larger than
+what is free is written as the reader frees space: any rank waiting on any transfer moves every
+stream it can, so two ranks sending to each other never wait on each other.
 
 What a call does with the streams:
 - P2P (one ring step): the send is one message, the receive one message;
@@ -39,6 +40,7 @@ import os
 import secrets
 import tempfile
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -175,8 +177,8 @@ class SharedWire:
             if got != expected:
                 raise RuntimeError(
                     f"modeled wire: rank {self.rank} expected from rank {src} "
-                    f"{expected[1]} bytes of {_TAG_NAMES.get(expected[2], '?')}, got "
-                    f"{got[1]} bytes of {_TAG_NAMES.get(got[2], '?')}: the ranks posted "
+                    f"{expected[1]} bytes of {_TAG_NAMES.get(expected[2] & 0xff, '?')}, got "
+                    f"{got[1]} bytes of {_TAG_NAMES.get(got[2] & 0xff, '?')}: the ranks posted "
                     f"their transfers in a different order")
         transfer.left += 1
         self.into[src].queue += [_Piece(header, ctypes.addressof(header), ctypes.sizeof(header),
@@ -193,12 +195,12 @@ class SharedWire:
         landing = []
         for op in ops:
             if op.op is dist.isend:
-                self._send(transfer, op.peer, op.tensor, _TAG["p2p"])
+                self._send(transfer, op.peer, op.tensor, _tag("p2p", op.group))
             else:
                 into = op.tensor if op.tensor.is_contiguous() else torch.empty_like(
                     op.tensor, memory_format=torch.contiguous_format)
                 landing.append((op.tensor, into))
-                self._recv(transfer, op.peer, into, _TAG["p2p"])
+                self._recv(transfer, op.peer, into, _tag("p2p", op.group))
         transfer.finish = lambda: [t.copy_(into) for t, into in landing if t is not into]
         return self._start(transfer)
 
@@ -208,8 +210,8 @@ class SharedWire:
         transfer = Transfer(self, "an all-gather")
         for i, g in enumerate(ranks):
             if i != r:
-                self._send(transfer, g, tensor, _TAG["all_gather"])
-                self._recv(transfer, g, parts[i], _TAG["all_gather"])
+                self._send(transfer, g, tensor, _tag("all_gather", group))
+                self._recv(transfer, g, parts[i], _tag("all_gather", group))
         parts[r].copy_(tensor)
         return self._start(transfer)
 
@@ -220,9 +222,9 @@ class SharedWire:
         transfer = Transfer(self, "a reduce-scatter")
         for i, g in enumerate(ranks):
             if i != r:
-                self._send(transfer, g, chunks[i], _TAG["reduce_scatter"])
+                self._send(transfer, g, chunks[i], _tag("reduce_scatter", group))
                 received[i] = torch.empty_like(chunks[r])
-                self._recv(transfer, g, received[i], _TAG["reduce_scatter"])
+                self._recv(transfer, g, received[i], _tag("reduce_scatter", group))
         own = chunks[r].clone()  # the caller may write its input once the call returns
         transfer.finish = lambda: output.copy_(
             _reduce([received.get(i, own) for i in range(len(ranks))], op))
@@ -234,9 +236,9 @@ class SharedWire:
         transfer = Transfer(self, "an all-reduce")
         for i, g in enumerate(ranks):
             if i != r:
-                self._send(transfer, g, tensor, _TAG["all_reduce"])
+                self._send(transfer, g, tensor, _tag("all_reduce", group))
                 received[i] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-                self._recv(transfer, g, received[i], _TAG["all_reduce"])
+                self._recv(transfer, g, received[i], _tag("all_reduce", group))
         own = tensor.clone()
         transfer.finish = lambda: tensor.copy_(
             _reduce([received.get(i, own) for i in range(len(ranks))], op))
@@ -248,11 +250,11 @@ class SharedWire:
         if self.rank == src:
             for g in ranks:
                 if g != src:
-                    self._send(transfer, g, tensor, _TAG["broadcast"])
+                    self._send(transfer, g, tensor, _tag("broadcast", group))
         else:
             into = tensor if tensor.is_contiguous() else torch.empty_like(
                 tensor, memory_format=torch.contiguous_format)
-            self._recv(transfer, src, into, _TAG["broadcast"])
+            self._recv(transfer, src, into, _tag("broadcast", group))
             if into is not tensor:
                 transfer.finish = lambda: tensor.copy_(into)
         return self._start(transfer)
@@ -262,6 +264,12 @@ _TAG = {"p2p": 1, "all_gather": 2, "reduce_scatter": 3, "all_reduce": 4, "broadc
 _TAG_NAMES = {v: k.replace("_", "-") for k, v in _TAG.items()}
 _REDUCE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
            dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.PRODUCT: torch.mul}
+
+
+def _tag(kind, group):
+    """The call's kind and its group's ranks, so that a message is never taken for another's."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return _TAG[kind] | zlib.crc32(repr(ranks).encode()) << 8
 
 
 def _reduce(tensors, op):

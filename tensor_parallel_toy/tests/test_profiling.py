@@ -180,6 +180,7 @@ def test_ratio_interval_is_paired_and_covers_the_true_ratio():
     (["--link", "model:1gbit:5s"], ["--link 'model:1gbit:5s'", "model:4gbit:50us"]),
     (["--link", "model:1gbit", "--modes", "tp,dtensor"], ["dtensor", "modeled wire"]),
     (["--link", "model:1gbit", "--device", "cuda"], ["model:1gbit", "--device cuda"]),
+    (["--link", "model:1gbit", "--dp", "2", "--batch", "4"], ["model:1gbit", "--dp 2", "--dp 1"]),
     (["--ring-pieces", "3"], ["--ring-pieces 3", "64 sequence rows", "multiple of 6"]),
     (["--ring-pieces", "0"], ["--ring-pieces 0", "between 1 and 64"]),
 ])
