@@ -46,7 +46,10 @@ class SavedActivationBytes:
     `.storage_bytes` (each storage's bytes) afterwards."""
 
     def __init__(self, model):
-        self._params = {_storage_key(p) for p in model.parameters()}
+        # Held, not only keyed: a parameter replaced inside the block (as FSDP2 does) must not
+        # free its storage for an activation to reuse, which would then be taken for it.
+        self._held = list(model.parameters())
+        self._params = {_storage_key(p) for p in self._held}
         self._seen = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 

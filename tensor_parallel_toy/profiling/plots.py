@@ -5,6 +5,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from .metrics import MiB  # noqa: E402
 from .output import atomic_path  # noqa: E402
@@ -347,6 +348,9 @@ def plot_wire_sweep(sweep, path):
         ax.plot(x, [q["t_overlap_ms"] / q["t_gemm_ms"] for q in mine], color=color,
                 marker="o", linewidth=1.5, label=f"measured, overlap={m}")
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=2))  # 0.25, 0.5, 1, 2, 4: no crowded labels
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("comm / GEMM, each alone (the wire's rate sets comm)")
     ax.set_ylabel("op time / GEMM alone")
     ax.set_ylim(bottom=0)
