@@ -35,6 +35,7 @@ visible after the stores before it (x86's ordering), as the machines here do.
 """
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import secrets
@@ -266,8 +267,10 @@ _REDUCE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
            dist.ReduceOp.MIN: torch.minimum, dist.ReduceOp.PRODUCT: torch.mul}
 
 
+@functools.lru_cache(maxsize=None)
 def _tag(kind, group):
-    """The call's kind and its group's ranks, so that a message is never taken for another's."""
+    """The call's kind and its group's ranks, so that a message is never taken for another's
+    (once per kind and group: it is asked for on every message)."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     return _TAG[kind] | zlib.crc32(repr(ranks).encode()) << 8
 
