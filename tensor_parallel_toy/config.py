@@ -143,6 +143,15 @@ class ModelConfig:
                 f"valid TP sizes for it: {valid}")
 
 
+def check_overlap_option(overlap) -> None:
+    """overlap: False (whole collectives), True (the ring) or m >= 1 (the ring, each chunk cut
+    into m pieces); anything else is refused in one line."""
+    if isinstance(overlap, bool) or (isinstance(overlap, int) and overlap >= 1):
+        return
+    raise ValueError(f"overlap={overlap!r}: valid are False (whole collectives), True (the "
+                     f"ring) or a number of ring pieces m >= 1")
+
+
 def check_divisible(name: str, value: int, tp_size: int, why: str = "") -> None:
     """The one check (and message) for every size the TP ranks split: `name=value` must be a
     multiple of the tensor-parallel size. `why`, if given, is appended to the message."""

@@ -22,6 +22,7 @@ ignore_index): causal attention hides the padding from every real token, and the
 it, so logits, loss and gradients are those of the unpadded sequence.
 """
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -29,13 +30,23 @@ import torch.nn.functional as F
 
 from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
-from .guards.checked import with_guards  # the checks, attached from outside: see Transformer
-from .parallel_linear import column_parallel_or_plain, row_parallel_or_plain
+from .parallel_linear import (RowSplit, column_parallel_or_plain, full_shape,
+                              row_parallel_or_plain, shard)
 from .rotary import apply_rotary, rotary_tables
-from .support.sharding import (RowSplit, draw_full_weights_, full_shape,
-                               gather_data_parallel, mark_init_std, named_layouts,
-                               record_layouts, scatter_data_parallel, shard, unshard)
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+@torch.no_grad()
+def draw_full_weights_(model, tp_group, seed=0):
+    """Draw every *full* weight of `model` from its own generator (seeded by seed and name),
+    N(0, param.init_std) (0.02 if unset; None keeps the values built), and keep this rank's
+    shard: any TP size starts from exactly the baseline's weights."""
+    for name, param in model.named_parameters():
+        std = getattr(param, "init_std", 0.02)
+        if std is not None:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(full_shape(param, group_size(tp_group)), generator=gen) * std
+            param.copy_(shard(full, param, tp_group))
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +69,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-5, tp_group=None):
         super().__init__()
         self.eps, self.tp_group = eps, tp_group
-        self.weight = mark_init_std(nn.Parameter(torch.ones(dim)), None)  # keep the ones
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight.init_std = None  # drawn by no one: keep the ones
 
     def forward(self, x):
         rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
@@ -117,7 +129,7 @@ class Attention(nn.Module):
         self.qkv = column_parallel_or_plain(h, nkv * (q_per_kv + 2) * hd, tp_group, overlap,
                                             config.qkv_bias, rows=rows)
         self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
-        mark_init_std(self.proj.weight, 0.02 / math.sqrt(2 * config.num_layers))
+        self.proj.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
         # Replicated [hd] weights inside the TP region (each rank normalises only its own
         # heads): their gradients are partial sums over the heads, summed by the norm's `f`.
         self.q_norm = self.k_norm = None
@@ -157,7 +169,7 @@ class MLP(nn.Module):
         h, m = config.hidden_size, config.ffn_hidden_size
         self.fc1 = column_parallel_or_plain(h, m, tp_group, overlap)
         self.fc2 = row_parallel_or_plain(m, h, tp_group, overlap)
-        mark_init_std(self.fc2.weight, 0.02 / math.sqrt(2 * config.num_layers))
+        self.fc2.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,m/p] -> [s/p,b,h]
@@ -178,7 +190,7 @@ class SwiGLU(nn.Module):
         h, m = config.hidden_size, config.ffn_hidden_size
         self.gate_up = column_parallel_or_plain(h, (2, m), tp_group, overlap, split_dim=1)
         self.down = row_parallel_or_plain(m, h, tp_group, overlap)
-        mark_init_std(self.down.weight, 0.02 / math.sqrt(2 * config.num_layers))
+        self.down.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
 
     def forward(self, x):
         gate, up = self.gate_up(x).unflatten(-1, (2, -1)).unbind(-2)  # [s, b, m/p] each
@@ -198,7 +210,6 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-@with_guards  # rank agreement, batch and id checks, the replicated-gradient watch
 class Transformer(nn.Module):
     """Token embedding -> num_layers blocks -> final RMSNorm -> LM head.
 
@@ -208,19 +219,19 @@ class Transformer(nn.Module):
     the tokens whose label is not ignore_index, the same scalar on every rank, from
     vocab-sharded logits (never gathered).
 
-    `@with_guards` (guards/checked.py) adds the checks, from outside this file: the ranks
-    compare what they built, each batch is checked before the forward's first collective,
-    and its options (`check_ids`, `same_batch`, `check_replicated_grads`) join the
-    constructor's keywords.
+    No checks here: `guard(model)` (guards/) attaches them from outside, at the call site
+    (the ranks compare what they built; each batch is checked before the forward's first
+    collective; replicated gradients compared at the first backward).
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
+        config.check_tp_size(self.tp_size)  # before any layer is built
         # Equal sequence chunks, one per rank (and with overlap=m, m equal ring pieces each):
         # shorter sequences are padded to a multiple of this.
         self.seq_multiple = self.tp_size * (int(overlap) if overlap else 1)
-        self.config, self.tp_group, self.overlap = config, tp_group, overlap
+        self.config, self.tp_group, self.overlap, self.seed = config, tp_group, overlap, seed
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
@@ -241,7 +252,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(seed)
-        record_layouts(self)  # where wrapping (fully_shard, DDP) cannot drop them
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
@@ -281,33 +291,7 @@ class Transformer(nn.Module):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""
         return self(input_ids, labels, **kwargs)
 
-    # -- weights ---------------------------------------------------------------------------------
-    # Each works on the bare model and on one wrapped by fully_shard (whose parameters are then
-    # split over the data-parallel ranks too) or DDP (call them on `ddp.module`).
     def reset_parameters(self, seed=0):
-        """Draw every full weight once, each rank keeping its shard (`draw_full_weights_`)."""
+        """Draw every full weight once, each rank keeping its shard (`draw_full_weights_`).
+        Loading a baseline checkpoint, full state dicts and gradients: support/sharding.py."""
         draw_full_weights_(self, self.tp_group, seed)
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict):
-        """Load a baseline `Transformer(config).state_dict()`, keeping this rank's shards."""
-        for name, param, layout in named_layouts(self):
-            full, shape = state_dict[name], full_shape(param, self.tp_size, layout)
-            if list(full.shape) != shape:
-                raise ValueError(f"{name}: checkpoint shape {list(full.shape)} does not match "
-                                 f"the model's full shape {shape}")
-            local = shard(full.to(param.device, param.dtype), param, self.tp_group, layout)
-            param.copy_(scatter_data_parallel(local, param))
-
-    @torch.no_grad()
-    def full_state_dict(self):
-        """Full (unsharded) parameters under the baseline's keys, on every rank."""
-        return {n: unshard(gather_data_parallel(p.detach()), p, self.tp_group, layout)
-                for n, p, layout in named_layouts(self)}
-
-    @torch.no_grad()
-    def full_grads(self):
-        """Full (unsharded) gradients under the baseline's keys, on every rank."""
-        return {n: None if p.grad is None else
-                unshard(gather_data_parallel(p.grad), p, self.tp_group, layout)
-                for n, p, layout in named_layouts(self)}

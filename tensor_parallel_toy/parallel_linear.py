@@ -25,6 +25,7 @@ operations as plain functions, each picking its Function (`overlap=True`: the ri
 the Modules hold a weight shard and call them.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -33,9 +34,100 @@ import torch.nn.functional as F
 from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders, group_rank, group_size,
                    reduce_scatter_seq)
 from .config import check_divisible
-from .ring import Ring, ring_all_gather, ring_reduce_scatter
-from .support.gemm import WeightGradAccumulator, bias_grad, flat, linear_into
-from .support.sharding import init_from_full_, mark_tensor_parallel, split_rows
+from .ring import Ring, WeightGradAccumulator, ring_all_gather, ring_reduce_scatter
+
+
+# ----------------------------------------------------------------------------------------------
+# What each rank holds of a weight: marks on the Parameter (Megatron's layers do the same)
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class RowSplit:
+    """Which rows (dim 0) of a full tensor each TP rank holds: `rows[r]`, rank r's rows in the
+    order it keeps them (an int64 tensor `[p, n]`), when that is not one contiguous block per
+    rank. A row may be held by several ranks (shared k/v heads): their copies are equal, and
+    the layer sends them through `f` over their holders, so each copy's gradient is the sum."""
+    rows: torch.Tensor
+
+    def shared(self, rank):
+        """(local, slot, n): this rank's rows that other ranks hold too (local indices), their
+        positions among all n such rows of the full tensor; None when no row is shared."""
+        every = torch.nonzero(torch.bincount(self.rows.flatten()) > 1).flatten()
+        if len(every) == 0:
+            return None
+        local = torch.nonzero(torch.isin(self.rows[rank], every)).flatten()
+        return local, torch.searchsorted(every, self.rows[rank][local]), len(every)
+
+
+def split_rows(shape, split_dim, p, name="out_features"):
+    """The `RowSplit` of a tensor whose dim 0 flattens `shape`, split along `split_dim` of it
+    into p equal slices, slice r on rank r (gate and up `(2, m)` along m)."""
+    if shape[split_dim] % p:
+        raise ValueError(f"{name}={tuple(shape)} split along dim {split_dim} over the "
+                         f"tensor-parallel size {p}: {shape[split_dim]} must be a multiple of "
+                         f"{p}")
+    ids = torch.arange(math.prod(shape)).view(shape)
+    return RowSplit(torch.stack([c.flatten() for c in ids.chunk(p, dim=split_dim)]))
+
+
+def mark_tensor_parallel(param, dim, rows=None):
+    """`param.tensor_parallel_dim`: the dim split over the TP ranks (None: every rank holds it
+    whole); `param.tensor_parallel_rows`: a `RowSplit` when dim 0 is split unevenly. Whatever
+    must treat parameters differently (checkpoints, gradient norms, checks) reads these marks,
+    never a parameter's name. Returns `param`."""
+    param.tensor_parallel_dim = dim
+    if rows is not None:
+        param.tensor_parallel_rows = rows
+    return param
+
+
+def full_shape(param, tp_size, layout=None):
+    """The shape of the whole parameter of which `param` is this rank's shard (`layout`: an
+    object carrying the marks instead of `param`)."""
+    marks, shape = layout or param, list(param.shape)
+    if getattr(marks, "tensor_parallel_rows", None) is not None:
+        shape[0] = int(marks.tensor_parallel_rows.rows.max()) + 1
+    elif getattr(marks, "tensor_parallel_dim", None) is not None:
+        shape[marks.tensor_parallel_dim] *= tp_size
+    return shape
+
+
+def shard(full, param, group, layout=None):
+    """This rank's part of the full tensor `full`, in `param`'s marks (or `layout`'s)."""
+    marks, p = layout or param, group_size(group)
+    if getattr(marks, "tensor_parallel_dim", None) is None or p == 1:
+        return full
+    if getattr(marks, "tensor_parallel_rows", None) is not None:
+        return full[marks.tensor_parallel_rows.rows[group_rank(group)].to(full.device)]
+    return full.chunk(p, dim=marks.tensor_parallel_dim)[group_rank(group)]
+
+
+@torch.no_grad()
+def init_from_full_(param, init, group):
+    """Fill `param` with this rank's part of one full tensor that `init(full)` fills in place:
+    every rank draws the same full tensor (same generator state) and keeps its part, so the
+    shards together are the unsplit layer's init, and the generators stay in step."""
+    full = torch.empty(full_shape(param, group_size(group)), device=param.device,
+                       dtype=param.dtype)
+    init(full)
+    return param.copy_(shard(full, param, group))
+
+
+def flat(t):
+    """[s, b, n] -> [s*b, n] view (the layers' GEMMs are plain 2-D matmuls)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def linear_into(out, x, weight, bias):
+    """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
+    if bias is None:
+        torch.mm(flat(x), weight.t(), out=flat(out))
+    else:
+        torch.addmm(bias, flat(x), weight.t(), out=flat(out))
+
+
+def bias_grad(dy):
+    """The gradient of a bias added to each of dy's rows: their sum."""
+    return flat(dy).sum(dim=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +424,3 @@ def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=Fals
         return nn.Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
                              overlap=overlap, init_weights=False)
-
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel_or_plain",
-           "column_parallel_linear", "row_parallel_or_plain", "row_parallel_linear"]

@@ -25,6 +25,8 @@ stream, event or `record_stream` of its own, and the CPU tests run exactly the c
 except what NCCL does inside. The transfers' priority is set where the
 process group is made (initialize.py, `high_priority_streams`), not here.
 """
+import functools
+
 import torch
 
 from .comm import group_rank, group_size, send_recv
@@ -135,3 +137,51 @@ def ring_reduce_scatter(chunk_producer, ring):
                 # after it.
                 pending[j] = ring.shift(send=partial, recv=incoming[j])
     return sums[0] if pieces == 1 else torch.cat(sums)
+
+
+# ----------------------------------------------------------------------------------------------
+# The weight gradient of a GEMM cut into ring blocks
+# ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def has_fp32_out_gemm(device_type):
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs on this device type ("cuda",
+    "cpu") for bf16 inputs: on CUDA it does (one tensor-core GEMM, fp32 output), on CPU torch
+    2.13 has no such kernel. Asked once per device type, by trying."""
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+
+
+class WeightGradAccumulator:
+    """dW = sum over chunks c of dY_c^T X_c, summed in fp32 whatever the weight's dtype.
+
+    Summing bf16 partial products in bf16 rounds once per chunk; one GEMM over the whole
+    sequence (the basic layers) rounds once at the end. Accumulating in fp32 and rounding once
+    keeps the overlapped weight gradient as accurate as the basic one (Megatron does the same
+    with its fused fp32 gradient accumulation). For bf16 inputs, where the device has a GEMM
+    that reads bf16 and writes fp32 (CUDA: `out_dtype`), each chunk is one such GEMM at bf16
+    speed into a scratch buffer, then added; elsewhere (CPU) the chunks are upcast and
+    multiplied in fp32, which is slower but the same arithmetic.
+    """
+
+    def __init__(self, weight):
+        self.dtype = weight.dtype
+        self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.fp32_out = self.dtype != torch.float32 and has_fp32_out_gemm(weight.device.type)
+        self.scratch = torch.empty_like(self.acc) if self.fp32_out else None
+
+    def add(self, dy_c, x_c):
+        dy_c, x_c = dy_c.reshape(-1, dy_c.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
+        if self.fp32_out:
+            # addmm's out_dtype form wants its addend in the inputs' dtype: multiply, then add.
+            torch.mm(dy_c.t(), x_c, out_dtype=torch.float32, out=self.scratch)
+            self.acc.add_(self.scratch)
+            return
+        if self.dtype != torch.float32:
+            dy_c, x_c = dy_c.float(), x_c.float()
+        self.acc.addmm_(dy_c.t(), x_c)
+
+    def result(self):
+        return self.acc.to(self.dtype)

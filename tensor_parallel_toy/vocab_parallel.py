@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
 from .config import check_divisible
-from .support.sharding import init_from_full_, mark_tensor_parallel
+from .parallel_linear import init_from_full_, mark_tensor_parallel
 
 
 def vocab_range(vocab_size, group):

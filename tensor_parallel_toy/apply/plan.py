@@ -66,10 +66,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ..guards.agreement import check_ranks_agree, module_fingerprint
+from ..guards.agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
+from ..guards.guard import guard
 from ..comm import all_reduce_, group_size
 from ..config import check_divisible
-from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
+from ..guards.replicated_grads import check_every_option
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
 from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
 from .styles import (STYLES, ColwiseParallel, NoParallel, PrepareModuleInput,
@@ -300,18 +301,21 @@ def _check_ties(module, matched):
                                  f"{name!r} is not split the same way; plan it too")
 
 
-def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicated_grads=None):
+def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
+                       same_batch="check", check_replicated_grads="first"):
     """Carry out `plan` ({module name pattern: style}) on `module`, in place, over `tp_group`;
-    returns `module`. Every rank must hold the same full weights beforehand (same seed or
-    checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
-    use the ring (parallel_linear.py). `check_replicated_grads` ("first" or N; None: off)
-    checks after backward that every parameter kept whole has the same gradient on every rank.
+    returns `module`, guarded. Every rank must hold the same full weights beforehand (same seed
+    or checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
+    use the ring (parallel_linear.py). It ends with `guard(module, tp_group, ...)` (guards/
+    guard.py), with these three options: the ranks fed the same batch, ids in range, every
+    parameter kept whole with the same gradient on every rank after the first backward.
 
     Everything is checked before any communication (see the module docstring); then the ranks
     compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
     all-gather, so ranks holding different weights or plans are refused on every rank.
     """
     check_every_option(check_replicated_grads)
+    check_same_batch_option(same_batch)
     p = group_size(tp_group)
     matched = resolve_plan(module, plan, p)
     _check_ties(module, matched)
@@ -329,9 +333,8 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicate
                 _copy_shards(mod, new, tp_group, shared)
             _set_module(module, name, new)
     record_layouts(module)
-    module.replicated_grads_watch = watch_replicated_gradients(module, tp_group,
-                                                               check_replicated_grads)
-    return module
+    return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
+                 check_replicated_grads=check_replicated_grads)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import Transformer, from_hf, to_hf
+from tensor_parallel_toy import (Transformer, from_hf, full_state_dict, guard,
+                                 load_full_state_dict, to_hf)
 from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
 
 # Small enough for a laptop CPU, shaped like the real ones: Llama 3.2 (llama3 rope scaling, a
@@ -63,9 +64,8 @@ def run_rank(options):
     group, rank = dist.group.WORLD, dist.get_rank()
     hf = hf_model(options)
     config, state = from_hf(hf, max_seq_len=options.seq)  # rotary tables for --seq tokens
-    model = Transformer(config, tp_group=group, overlap=options.overlap,
-                        check_replicated_grads="first")  # q/k norms' gradients: equal on all
-    model.load_full_state_dict(state)  # each rank keeps its shards
+    model = guard(Transformer(config, tp_group=group, overlap=options.overlap))  # the checks
+    load_full_state_dict(model, state)  # each rank keeps its shards
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
     corpus, losses = make_corpus(seed=options.seed), []
     for step in range(options.steps):
@@ -75,7 +75,7 @@ def run_rank(options):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    trained = to_hf(config, model.full_state_dict())  # a collective: every rank gathers
+    trained = to_hf(config, full_state_dict(model))  # a collective: every rank gathers
     ids = batch(corpus, options.steps, options.batch, options.seq, options.seed)[0]
     with torch.no_grad():
         logits = model(ids)  # [b, s, V], gathered on every rank

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import ModelConfig, Transformer, launch
+from tensor_parallel_toy import ModelConfig, Transformer, guard, launch, load_full_state_dict
 from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,
@@ -38,9 +38,9 @@ def run_rank():
     """TP over every rank, then the one-device baseline on each rank; returns both loss lists."""
     corpus = make_corpus()
     baseline = Transformer(CONFIG, seed=0)
-    tp = Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0,
-                     check_replicated_grads="first")  # the norms' grads equal on every rank
-    tp.load_full_state_dict(baseline.state_dict())  # the very same starting weights
+    # guard: the ranks agree on the model and each batch; replicated grads equal at backward 1
+    tp = guard(Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0))
+    load_full_state_dict(tp, baseline.state_dict())  # the very same starting weights
     return {"tp": train(tp, corpus), "one_device": train(baseline, corpus)}
 
 

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import all_reduce_, group_rank, group_size
+from ..support.sharding import record_layouts
 
 
 def init_mesh_2d(dp_size, tp_size, device_type="cpu"):
@@ -69,6 +70,7 @@ def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
     """
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
+    record_layouts(model)  # fully_shard replaces the Parameters and drops their marks
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -80,10 +82,11 @@ def apply_ddp(model, mesh):
 
     Call the wrapper (`ddp(ids, labels)`), never `ddp.module`'s methods for the step: DDP
     reduces the gradients only of a backward that followed its own `forward`. The full state
-    dict and gradients are `ddp.module.full_state_dict()` / `.full_grads()`. The model's
+    dict and gradients are `full_state_dict(ddp.module)` / `full_grads(ddp.module)`. The model's
     buffers are fixed tables (rotary angles), the same on every rank: no need to broadcast
     them before every forward.
     """
+    record_layouts(model)
     return DistributedDataParallel(model, device_mesh=mesh["dp"], forward_sync_buffers=False)
 
 

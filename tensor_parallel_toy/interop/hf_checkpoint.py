@@ -2,8 +2,8 @@
 
     config, state_dict = from_hf(hf_model)             # or from_hf(hf_config, hf_state_dict)
     model = Transformer(config); model.load_state_dict(state_dict)            # the baseline
-    tp = Transformer(config, tp_group=g); tp.load_full_state_dict(state_dict)  # or split
-    hf_state_dict = to_hf(config, tp.full_state_dict())                       # and back
+    tp = Transformer(config, tp_group=g); load_full_state_dict(tp, state_dict)  # or split
+    hf_state_dict = to_hf(config, full_state_dict(tp))                       # and back
 
 The architectures are the same network: pre-norm RMSNorm blocks, rotary embeddings, grouped-query
 attention without bias on the output projection, and a SwiGLU MLP. Only the weights' names and

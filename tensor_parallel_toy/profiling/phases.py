@@ -132,10 +132,10 @@ def _weight_grad_path(dtype):
     import torch
 
     from ..launcher.initialize import current_device
-    from ..support.gemm import has_fp32_out_gemm
+    from ..ring import has_fp32_out_gemm
     if dtype == torch.float32:
         return "fp32 GEMMs into an fp32 sum"
-    if has_fp32_out_gemm(current_device()):
+    if has_fp32_out_gemm(current_device().type):
         return f"{str(dtype).replace('torch.', '')} GEMMs with fp32 output into an fp32 sum"
     return "inputs upcast to fp32, fp32 GEMMs into an fp32 sum"
 

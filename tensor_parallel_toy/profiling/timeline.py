@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..guards.collectives import barrier, reduce_numbers
 from ..launcher.initialize import current_device
 from ..model import TransformerBlock, rotary_tables
-from ..support.sharding import draw_full_weights_
+from ..model import draw_full_weights_
 from .metrics import stamp
 from .transfers import recording
 from .metrics import summarize as distribution

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..interop import dtensor_tp
 from ..comm import all_reduce_
+from ..guards import guard
 from ..guards.collectives import barrier
 from ..interop.data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
 from ..launcher.initialize import current_device
@@ -59,20 +60,20 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None, check_repli
     tp_overlap mode's (True: the ring; m: the ring in m pieces).
     `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its
     end-of-backward check is not ordered against FSDP2's own end-of-backward work."""
-    guard = check_replicated_grads if mesh is None else None
+    grads_check = check_replicated_grads if mesh is None else None
     if mode == "baseline":
         return Transformer(config, seed=seed).to(device, dtype)
     if mode in ("tp", "tp_overlap"):
         tp = group if mesh is None else mesh["tp"].get_group()  # the same group, from the grid
-        model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap" and overlap,
-                            seed=seed, check_replicated_grads=guard)
+        model = guard(Transformer(config, tp_group=tp, overlap=mode == "tp_overlap" and overlap,
+                                  seed=seed), check_replicated_grads=grads_check)
         model = model.to(device, dtype)
     elif mode == "dtensor":
         model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),
                                        group if mesh is None else mesh["tp"], device.type,
-                                       check_replicated_grads=guard)
+                                       check_replicated_grads=grads_check)
     elif mode == "hf_dtensor":  # wrapped with FSDP2 there, if 2-D: its layers have HF names
-        return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh, guard)
+        return hf_llama.build_hf_dtensor(config, seed, group, device, dtype, mesh, grads_check)
     else:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
     return model if mesh is None else apply_fsdp(model, mesh)

@@ -1,111 +1,51 @@
-"""Parameter metadata: how a parameter is split over the TP ranks, and what follows from it.
+"""Full tensors <-> shards, for any model whose layers mark their parameters (the marks are
+set on the reading path: `parallel_linear.mark_tensor_parallel`, `model.mark_init_std`).
 
 Code that must treat parameters differently (load a checkpoint, gather a state dict, count a
-gradient in the norm) reads this metadata, never a parameter's name or its module's class, so
-it also works for layers it has never seen. This is the one place that sets and reads it.
+gradient in the norm, check replicated gradients) reads the marks, never a parameter's name or
+its module's class, so it also works for layers it has never seen:
 
-A layer marks its parameters when it builds them (attributes on the Parameter):
-
-tensor_parallel_dim
-    the dim split over the TP ranks; None or absent: replicated, the same on every rank
-    set by:  mark_tensor_parallel (column, row, vocabulary and classic TP layers)
-    read by: full_shape, shard, unshard (checkpoints, full state dicts and gradients),
-             grad_norm, and classic_tp's sync_replicated_gradients
-tensor_parallel_rows
-    a `RowSplit`: which rows of the full tensor each rank holds, when they are not one
-    contiguous block per rank: the rows of an output shape split along one of its own dims
-    (gate and up `(2, f)` split along f: `split_rows`), or attention's q, k, v when there are
-    fewer k/v heads than ranks (some rows then held by several ranks: model.qkv_rows)
-    set by:  mark_tensor_parallel (ColumnParallelLinear given a shape or rows)
-    read by: the same as tensor_parallel_dim, which is then 0
-init_std
-    std of the model's normal init; None: keep the values built (a norm's ones)
-    set by:  mark_init_std (model.py)
-    read by: init_std (Transformer.reset_parameters)
+tensor_parallel_dim    the dim split over the TP ranks; None or absent: replicated
+tensor_parallel_rows   a `RowSplit`: which rows of the full tensor each rank holds, when that is
+                       not one contiguous block per rank (gate|up, fused q|k|v, shared k/v rows)
+init_std               std of the model's normal init; None: keep the values built
 
 Wrapping engines replace Parameter objects: `fully_shard` swaps each for a new DTensor
 Parameter, and attributes on the old one are gone. They keep the modules and the parameter
 names, so `record_layouts` copies the marks into a `Layout` per parameter, held by the module
-that owns it; `named_layouts` reads them back from a wrapped model or a bare one.
+that owns it (`apply_fsdp`, `apply_ddp` and `parallelize_module` call it before wrapping);
+`named_layouts` reads them back from a wrapped model or a bare one.
+
+The model's full weights and gradients: `load_full_state_dict(model, state_dict)`,
+`full_state_dict(model)`, `full_grads(model)` (under the baseline's keys, on every rank).
 """
 import functools
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..comm import all_gather_dim, all_reduce_, group_rank, group_size
+from ..parallel_linear import RowSplit, full_shape, mark_tensor_parallel, shard, split_rows  # noqa: F401 (kernel names its clients import from here)
 
 DEFAULT_INIT_STD = 0.02
 
 
 # ----------------------------------------------------------------------------------------------
-# Marking
+# Reading the marks
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class RowSplit:
-    """Which rows (dim 0) of a full tensor each TP rank holds: `rows[r]`, rank r's rows in the
-    order it keeps them (an int64 tensor `[p, n]`: the same number on every rank).
-
-    A row may be held by several ranks. Their copies are equal, and a layer that uses such a
-    weight sends it through `f` over the ranks holding each row (comm.copy_to_row_holders), so
-    its gradient is the sum of their partial ones; the checkpoint and the gradient norm count
-    each row once, from the first rank holding it.
-    """
-    rows: torch.Tensor
-
-    @property
-    def full_rows(self):
-        return int(self.rows.max()) + 1
-
-    @functools.cached_property
-    def first_holder(self):
-        """The lowest rank holding each full row, `[full_rows]` (computed once)."""
-        ranks = torch.arange(len(self.rows)).unsqueeze(1).expand_as(self.rows)
-        first = torch.full((self.full_rows,), len(self.rows))
-        return first.scatter_reduce(0, self.rows.flatten(), ranks.flatten(), "amin")
-
-    def counted(self, rank):
-        """A bool per row of `rank`: True where it is the first rank holding that row."""
-        return self.first_holder[self.rows[rank]] == rank
-
-    def shared(self, rank):
-        """(local, slot, n): this rank's rows that other ranks hold too (local indices), their
-        positions among all n such rows of the full tensor; None when no row is shared."""
-        every = torch.nonzero(torch.bincount(self.rows.flatten()) > 1).flatten()
-        if len(every) == 0:
-            return None
-        local = torch.nonzero(torch.isin(self.rows[rank], every)).flatten()
-        return local, torch.searchsorted(every, self.rows[rank][local]), len(every)
+@functools.lru_cache(maxsize=None)  # a few splits per model, asked on every gradient norm
+def first_holder(split):
+    """The lowest rank holding each full row of a `RowSplit`, `[full_rows]`."""
+    ranks = torch.arange(len(split.rows)).unsqueeze(1).expand_as(split.rows)
+    first = torch.full((int(split.rows.max()) + 1,), len(split.rows))
+    return first.scatter_reduce(0, split.rows.flatten(), ranks.flatten(), "amin")
 
 
-def split_rows(shape, split_dim, p, name="out_features"):
-    """The `RowSplit` of a tensor whose dim 0 flattens `shape`, split along `split_dim` of it
-    into p equal slices, slice r on rank r (gate and up `(2, f)` along f). One ValueError
-    naming the shape and p unless p divides that dim."""
-    if shape[split_dim] % p:
-        raise ValueError(f"{name}={tuple(shape)} split along dim {split_dim} over the "
-                         f"tensor-parallel size {p}: {shape[split_dim]} must be a multiple of "
-                         f"{p}")
-    ids = torch.arange(math.prod(shape)).view(shape)
-    return RowSplit(torch.stack([c.flatten() for c in ids.chunk(p, dim=split_dim)]))
-
-
-def mark_tensor_parallel(param, dim, rows=None):
-    """`param` is split over the TP ranks along `dim` (None: replicated), each rank holding
-    the rows `rows` says (a `RowSplit`; with dim 0) when it is given. Returns `param`."""
-    param.tensor_parallel_dim = dim
-    if rows is not None:
-        param.tensor_parallel_rows = rows
-    return param
-
-
-def mark_init_std(param, std):
-    """The std of `param`'s normal init in `Transformer.reset_parameters` (None: keep it)."""
-    param.init_std = std
-    return param
+def counted_rows(split, rank):
+    """A bool per row `rank` holds: True where it is the first rank holding that row (the
+    checkpoint and the gradient norm count each row once, from there)."""
+    return first_holder(split)[split.rows[rank]] == rank
 
 
 def tensor_parallel_dim(param):
@@ -166,49 +106,8 @@ def named_layouts(model):
 
 
 # ----------------------------------------------------------------------------------------------
-# Initialisation: every full weight drawn once, each rank keeping its shard
-# ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def draw_full_weights_(model, tp_group, seed=0):
-    """Draw every *full* weight of `model` from its own generator (seeded by seed and name)
-    and keep this rank's shard, so any TP size starts from exactly the baseline's weights.
-    A parameter whose init std is None (`mark_init_std`) keeps the values it was built with."""
-    for name, param, layout in named_layouts(model):
-        std = init_std(layout)
-        if std is None:
-            continue
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.randn(full_shape(param, group_size(tp_group), layout), generator=gen) * std
-        local = shard(full, param, tp_group, layout)
-        param.copy_(scatter_data_parallel(local.to(param.device, param.dtype), param))
-
-
-# ----------------------------------------------------------------------------------------------
 # Full tensors <-> this rank's shards
 # ----------------------------------------------------------------------------------------------
-def full_shape(param, tp_size, layout=None):
-    """The shape of the whole parameter, of which `param` is this rank's shard (`layout`: its
-    recorded Layout; by default the marks on `param`)."""
-    shape = list(param.shape)
-    dim, split = tensor_parallel_dim(layout or param), tensor_parallel_rows(layout or param)
-    if split is not None:
-        shape[0] = split.full_rows
-    elif dim is not None:
-        shape[dim] *= tp_size
-    return shape
-
-
-def shard(full, param, group, layout=None):
-    """This rank's slice of the full tensor `full`, in `param`'s layout (or `layout`)."""
-    dim, p = tensor_parallel_dim(layout or param), group_size(group)
-    split = tensor_parallel_rows(layout or param)
-    if dim is None or p == 1:
-        return full
-    if split is not None:
-        return full[split.rows[group_rank(group)].to(full.device)]
-    return full.chunk(p, dim=dim)[group_rank(group)]
-
-
 def unshard(local, param, group, layout=None):
     """The full tensor from every rank's `local` slice (a collective: every rank calls it)."""
     dim, p = tensor_parallel_dim(layout or param), group_size(group)
@@ -221,7 +120,7 @@ def unshard(local, param, group, layout=None):
     # Every rank's rows put back in place; a row several ranks hold is taken from the first
     # of them (the copies are equal), so each row is written once.
     rows = split.rows.flatten()
-    counted = torch.cat([split.counted(r) for r in range(p)])
+    counted = torch.cat([counted_rows(split, r) for r in range(p)])
     full = gathered.new_empty(full_shape(local, p, layout or param))
     full[rows[counted].to(full.device)] = gathered[counted.to(full.device)]
     return full
@@ -242,21 +141,38 @@ def scatter_data_parallel(value, param):
     return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
 
 
+# ----------------------------------------------------------------------------------------------
+# A model's full weights and gradients (the package's Transformer, or any module holding its
+# `tp_group`), bare or wrapped by fully_shard (call them on `ddp.module` under DDP)
+# ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def init_from_full_(param, init, group):
-    """Fill `param` with this rank's slice of one full tensor that `init(full)` fills in place.
+def load_full_state_dict(model, state_dict):
+    """Load a baseline `Transformer(config).state_dict()` (full tensors under the baseline's
+    keys) into `model`, each rank keeping its shards."""
+    group = model.tp_group
+    for name, param, layout in named_layouts(model):
+        full, shape = state_dict[name], full_shape(param, group_size(group), layout)
+        if list(full.shape) != shape:
+            raise ValueError(f"{name}: checkpoint shape {list(full.shape)} does not match "
+                             f"the model's full shape {shape}")
+        local = shard(full.to(param.device, param.dtype), param, group, layout)
+        param.copy_(scatter_data_parallel(local, param))
+    return model
 
-    Every rank draws the same full tensor (from the same generator state, as after the same
-    `torch.manual_seed`) and keeps its slice, so the shards together are one layer initialised
-    exactly as its unsplit version would be, and the generator stays in step across ranks. The
-    full tensor exists on every rank for a moment, on `param`'s device: fine for this package's
-    sizes, a cost to avoid (draw on the CPU, or shard by shard) for a model near memory limits.
-    """
-    full = torch.empty(full_shape(param, group_size(group)), device=param.device,
-                       dtype=param.dtype)
-    init(full)
-    param.copy_(shard(full, param, group))
-    return param
+
+@torch.no_grad()
+def full_state_dict(model):
+    """Full (unsharded) parameters under the baseline's keys, on every rank (a collective)."""
+    return {n: unshard(gather_data_parallel(p.detach()), p, model.tp_group, layout)
+            for n, p, layout in named_layouts(model)}
+
+
+@torch.no_grad()
+def full_grads(model):
+    """Full (unsharded) gradients under the baseline's keys, on every rank (a collective)."""
+    return {n: None if p.grad is None else
+            unshard(gather_data_parallel(p.grad), p, model.tp_group, layout)
+            for n, p, layout in named_layouts(model)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +201,7 @@ def grad_norm(model, tp_group=None):
             continue
         split = tensor_parallel_rows(layout)
         shares = split is not None and split.shared(rank) is not None
-        counted = split.counted(rank).to(device) if shares else None
+        counted = counted_rows(split, rank).to(device) if shares else None
         if isinstance(grad, DTensor):  # this DP rank's shard of it (and of its rows)
             if counted is not None:
                 counted = scatter_data_parallel(counted, grad).to_local()
@@ -300,7 +216,7 @@ def grad_norm(model, tp_group=None):
     return squares.sum().sqrt().item()
 
 
-__all__ = ["Layout", "RowSplit", "split_rows", "full_shape", "gather_data_parallel", "grad_norm",
-           "init_from_full_", "init_std", "layout_of", "draw_full_weights_", "mark_init_std",
-           "mark_tensor_parallel", "named_layouts", "record_layouts", "scatter_data_parallel",
-           "shard", "tensor_parallel_dim", "tensor_parallel_rows", "unshard"]
+__all__ = ["Layout", "counted_rows", "first_holder", "full_grads", "full_state_dict",
+           "gather_data_parallel", "grad_norm", "init_std", "layout_of", "load_full_state_dict",
+           "named_layouts", "record_layouts", "scatter_data_parallel", "tensor_parallel_dim",
+           "tensor_parallel_rows", "unshard"]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy.support.sharding import full_grads, full_state_dict
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
                                             nccl_rank_capacity)
@@ -248,13 +249,13 @@ def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, 
         logits = tp(ids)
         loss = tp(ids, labels, label_smoothing=label_smoothing)
         loss.backward()
-        return {"logits": logits, "loss": loss, "grads": tp.full_grads(),
+        return {"logits": logits, "loss": loss, "grads": full_grads(tp),
                 "grad_norm": grad_norm(tp, tp_group)}
 
     def batch_of(step):
         return random_batch(config, batch, seq, seed=step, ignore_frac=ignore_frac)
 
-    return train_beside_baseline(config, step, tp.full_state_dict, tp.parameters(), steps=steps,
+    return train_beside_baseline(config, step, lambda: full_state_dict(tp), tp.parameters(), steps=steps,
                                  batch_of=batch_of, label_smoothing=label_smoothing)
 
 

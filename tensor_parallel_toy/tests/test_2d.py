@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from tensor_parallel_toy.support.sharding import full_grads, full_state_dict, load_full_state_dict
 from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.interop import dtensor_tp
 from tensor_parallel_toy.comm import all_reduce_
@@ -51,7 +52,7 @@ def _on_rank_engine(engine, kind, overlap, seq, bf16=False, config=CONFIG):
     on its half of every global batch; loss, gradients and norm read from the wrapped model."""
     wrapped, model = _wrap(engine, kind, overlap, bf16, config)
     if kind == "ours":
-        model.load_full_state_dict(Transformer(config, seed=0).state_dict())
+        load_full_state_dict(model, Transformer(config, seed=0).state_dict())
     dp_group, tp_group = mesh_2x2()["dp"].get_group(), mesh_2x2()["tp"].get_group()
 
     def step(ids, labels, base):
@@ -59,7 +60,7 @@ def _on_rank_engine(engine, kind, overlap, seq, bf16=False, config=CONFIG):
         if kind == "ours":
             loss = data_parallel_loss(wrapped, ids, labels, dp_group)
             loss.backward()
-            grads, norm = model.full_grads(), grad_norm(wrapped, tp_group)
+            grads, norm = full_grads(model), grad_norm(wrapped, tp_group)
         else:  # equal token counts on both halves: the mean of the two means is the batch mean
             loss = dtensor_tp.transformer_loss_and_backward(wrapped, ids, labels)
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -70,7 +71,7 @@ def _on_rank_engine(engine, kind, overlap, seq, bf16=False, config=CONFIG):
 
     def params():
         if kind == "ours":
-            return model.full_state_dict()
+            return full_state_dict(model)
         return {n: p.full_tensor() for n, p in model.named_parameters()}
 
     def batch_of(step):

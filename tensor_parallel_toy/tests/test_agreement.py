@@ -7,7 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelLinear,
-                                 Transformer, VocabParallelEmbedding)
+                                 Transformer, VocabParallelEmbedding, guard)
+from tensor_parallel_toy.support.sharding import full_grads
 from tensor_parallel_toy.guards.agreement import check_ranks_agree, module_fingerprint
 from tensor_parallel_toy.interop.data_parallel import init_mesh_2d
 from tensor_parallel_toy.profiling.transfers import recording
@@ -41,13 +42,13 @@ def _on_rank_disagreeing_builds():
     group, _, rank = world()
     one = rank == 1
     cases = {
-        "hidden": lambda: Transformer(_config(64 if one else 32), tp_group=group),
-        "overlap": lambda: Transformer(_config(), tp_group=group, overlap=one),
-        "seed": lambda: Transformer(_config(), tp_group=group, seed=rank),
-        "column dtype": lambda: ColumnParallelLinear(
-            8, 16, tp_group=group, dtype=torch.bfloat16 if one else torch.float32),
-        "row bias": lambda: RowParallelLinear(16, 8, tp_group=group, bias=one),
-        "embedding": lambda: VocabParallelEmbedding(64, 12 if one else 8, tp_group=group),
+        "hidden": lambda: guard(Transformer(_config(64 if one else 32), tp_group=group)),
+        "overlap": lambda: guard(Transformer(_config(), tp_group=group, overlap=one)),
+        "seed": lambda: guard(Transformer(_config(), tp_group=group, seed=rank)),
+        "column dtype": lambda: guard(ColumnParallelLinear(
+            8, 16, tp_group=group, dtype=torch.bfloat16 if one else torch.float32)),
+        "row bias": lambda: guard(RowParallelLinear(16, 8, tp_group=group, bias=one)),
+        "embedding": lambda: guard(VocabParallelEmbedding(64, 12 if one else 8, tp_group=group)),
         "own module": lambda: check_ranks_agree(
             module_fingerprint(nn.Linear(4, 6 if one else 4), tp_size=2), group, "blocks"),
     }
@@ -62,13 +63,14 @@ def _on_rank_disagreeing_builds():
 def test_ranks_that_build_different_models_raise_on_every_rank_naming_each_value(pools):
     per_rank = pools(2).run(_on_rank_disagreeing_builds)
     expected = {
-        "hidden": ["Transformers", "hidden_size: 32 on rank 0, 64 on rank 1", "more)"],
+        "hidden": ["Transformers", "config.hidden_size: 32 on rank 0, 64 on rank 1", "more)"],
         "overlap": ["overlap: False on rank 0, True on rank 1"],
         "seed": ["seed: 0 on rank 0, 1 on rank 1"],
         "column dtype": ["ColumnParallelLinears", "weight: [8, 8] float32 on rank 0, "
                                                   "[8, 8] bfloat16 on rank 1"],
         "row bias": ["RowParallelLinears", "bias: <absent> on rank 0, [8] float32 on rank 1"],
-        "embedding": ["VocabParallelEmbeddings", "embedding_dim: 8 on rank 0, 12 on rank 1"],
+        "embedding": ["VocabParallelEmbeddings", "weight: [32, 8] float32 on rank 0, "
+                                                 "[32, 12] float32 on rank 1"],
         "own module": ["blocks", "weight: [4, 4] float32 on rank 0, [6, 4] float32 on rank 1"],
     }
     for rank, messages in enumerate(per_rank):
@@ -85,10 +87,10 @@ def _on_rank_construction_transfers():
     group, _, _ = world()
     built = {}
     for what, build in {
-        "Transformer": lambda: Transformer(_config(), tp_group=group, overlap=True),
-        "ColumnParallelLinear": lambda: ColumnParallelLinear(8, 16, tp_group=group),
-        "RowParallelLinear": lambda: RowParallelLinear(16, 8, tp_group=group, bias=True),
-        "VocabParallelEmbedding": lambda: VocabParallelEmbedding(64, 8, tp_group=group),
+        "Transformer": lambda: guard(Transformer(_config(), tp_group=group, overlap=True)),
+        "ColumnParallelLinear": lambda: guard(ColumnParallelLinear(8, 16, tp_group=group)),
+        "RowParallelLinear": lambda: guard(RowParallelLinear(16, 8, tp_group=group, bias=True)),
+        "VocabParallelEmbedding": lambda: guard(VocabParallelEmbedding(64, 8, tp_group=group)),
     }.items():
         with recording(_Counter()) as counter:
             build()
@@ -97,9 +99,8 @@ def _on_rank_construction_transfers():
     return built
 
 
-def test_building_a_model_or_layer_costs_one_tiny_all_gather(pools):
-    """Not one per layer: the Transformer's own layers skip their check, the whole model is
-    compared once."""
+def test_guarding_a_model_or_layer_costs_one_tiny_all_gather(pools):
+    """Not one per layer: the whole model is compared once, when it is guarded."""
     for rank, built in enumerate(pools(2).run(_on_rank_construction_transfers)):
         for what, (kinds, nbytes) in built.items():
             assert kinds == ["all-gather"] and nbytes == 8, f"rank {rank}, {what}: {kinds}, " \
@@ -118,8 +119,8 @@ def _batch(seed, seq=8):
 def _on_rank_different_batches():
     """Rank 1's batch differs from rank 0's in one way per case; every rank must raise."""
     group, _, rank = world()
-    check = Transformer(_config(), tp_group=group)
-    broadcast = Transformer(_config(), tp_group=group, same_batch="broadcast")
+    check = guard(Transformer(_config(), tp_group=group))
+    broadcast = guard(Transformer(_config(), tp_group=group), same_batch="broadcast")
     ids, labels = _batch(0)
     other = ids.clone()
     other[1, 5] = (other[1, 5] + 1) % 64  # one token of 16
@@ -130,7 +131,7 @@ def _on_rank_different_batches():
         "forward": lambda: check(other if one else ids),
         "shape": lambda: check.loss(*_batch(0, seq=9 if one else 8)),
         "broadcast shape": lambda: broadcast.loss(*_batch(0, seq=9 if one else 8)),
-        "option": lambda: Transformer(_config(), tp_group=group, same_batch="rank0"),
+        "option": lambda: guard(Transformer(_config(), tp_group=group), same_batch="rank0"),
     })
 
 
@@ -156,7 +157,7 @@ def _on_rank_broadcast_batch():
     group, _, rank = world()
     config = _config()
     ids, labels = _batch(0)
-    model = Transformer(config, tp_group=group, same_batch="broadcast", seed=3)
+    model = guard(Transformer(config, tp_group=group, seed=3), same_batch="broadcast")
     mine_ids, mine_labels = (ids, labels) if rank == 0 else _batch(1)
     loss = model.loss(mine_ids, mine_labels)
     loss.backward()
@@ -164,7 +165,7 @@ def _on_rank_broadcast_batch():
     expected = baseline.loss(ids, labels)
     expected.backward()
     errors = {"loss": max_rel_error(loss.detach(), expected.detach())}
-    grads = model.full_grads()
+    grads = full_grads(model)
     for name, param in baseline.named_parameters():
         errors[f"grad:{name}"] = max_rel_error(grads[name], param.grad)
     errors["#grads"] = len(grads)
@@ -185,7 +186,7 @@ def _on_rank_2d_batches():
     """2 x 2 grid: DP ranks have different batches (fine), TP peers must agree."""
     mesh = init_mesh_2d(dp_size=2, tp_size=2)  # DeviceMesh groups cannot be freed: kept
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    model = Transformer(_config(), tp_group=mesh["tp"].get_group())
+    model = guard(Transformer(_config(), tp_group=mesh["tp"].get_group()))
     ids, labels = _batch(dp_rank)  # one batch per DP rank, the same on its TP peers
     loss = model(ids, labels).item()
     peers_differ = _batch(dp_rank + 2 * tp_rank)  # TP rank 1 gets another batch

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from tensor_parallel_toy.support.sharding import load_full_state_dict
 from tensor_parallel_toy import ModelConfig, Transformer
 
 from .helpers import (assert_matches_baseline, assert_one_line, compare_on_world, fixed_batch,
@@ -39,7 +40,7 @@ def test_gqa_baseline_equals_multi_head_with_shared_kv_heads(num_kv_heads):
     names = {n for n, _ in gqa.named_parameters()}
     assert "layers.0.attn.qkv.weight" in names, sorted(names)
     mha = Transformer(ModelConfig(**BASE), seed=0)
-    mha.load_full_state_dict(_as_multi_head(gqa.state_dict(), gqa_config))
+    load_full_state_dict(mha, _as_multi_head(gqa.state_dict(), gqa_config))
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     err = max_rel_error(gqa(ids), mha(ids))
     assert err <= 1e-5, f"GQA vs multi-head with repeated k/v heads: {err:.3g} > 1e-5"

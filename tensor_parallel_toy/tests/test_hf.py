@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy.support.sharding import full_grads, load_full_state_dict
 from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.interop.hf_checkpoint import config_from_hf
 
@@ -62,11 +63,11 @@ def _on_rank_tp_vs_hf(config, state, ids, labels, expected, overlap):
     """Our TP model over WORLD, loaded from the converted Hugging Face weights, against
     Hugging Face's results; gradients compared under Hugging Face's names."""
     tp = Transformer(config, tp_group=dist.group.WORLD, overlap=overlap, seed=5)
-    tp.load_full_state_dict(state)
+    load_full_state_dict(tp, state)
     loss = tp.loss(ids, labels)
     loss.backward()
     got = {"logits": tp(ids), "loss": loss}
-    got.update({"grad:" + n: g for n, g in to_hf(config, tp.full_grads()).items()})
+    got.update({"grad:" + n: g for n, g in to_hf(config, full_grads(tp)).items()})
     return {k: max_rel_error(got[k], want) for k, want in expected.items()}
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy.support.sharding import full_grads, load_full_state_dict
 from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.interop.data_parallel import apply_fsdp, data_parallel_loss, split_batch
@@ -98,12 +99,12 @@ def _tp_results(config, state, ids, labels, overlap, dtype=torch.float32, group=
     """Our TP model over `group` (default WORLD) loaded from the converted weights: results
     under Hugging Face's names, as `_results` gives them."""
     tp = Transformer(config, tp_group=group or dist.group.WORLD, overlap=overlap, seed=5)
-    tp.load_full_state_dict(state)
+    load_full_state_dict(tp, state)
     tp.to(dtype)
     loss = tp.loss(ids, labels)
     loss.backward()
     got = {"logits": tp(ids).detach(), "loss": loss.detach()}
-    got.update({"grad:" + n: g for n, g in to_hf(config, tp.full_grads()).items()})
+    got.update({"grad:" + n: g for n, g in to_hf(config, full_grads(tp)).items()})
     return tp, got
 
 
@@ -182,12 +183,12 @@ def _on_rank_qk_norm_trap(config, state, ids, labels, expected):
     """The q/k-norm weights' local gradients with the sum over the TP group switched off (the
     norms' group set to None), then summed by hand: errors of both against Hugging Face."""
     tp = Transformer(config, tp_group=dist.group.WORLD, seed=5)
-    tp.load_full_state_dict(state)
+    load_full_state_dict(tp, state)
     norms = [m for layer in tp.layers for m in (layer.attn.q_norm, layer.attn.k_norm)]
     for norm in norms:
         norm.tp_group = None  # the trap: the replicated weight no longer enters through `f`
     tp.loss(ids, labels).backward()
-    grads = {n: g for n, g in to_hf(config, tp.full_grads()).items() if "_norm" in n}
+    grads = {n: g for n, g in to_hf(config, full_grads(tp)).items() if "_norm" in n}
     local = {n: max_rel_error(g, expected["grad:" + n]) for n, g in grads.items()}
     summed = {n: max_rel_error(all_reduce_(g.clone(), dist.group.WORLD), expected["grad:" + n])
               for n, g in grads.items()}
@@ -214,12 +215,12 @@ def _on_rank_qk_norm_fsdp(config, state, ids, labels, expected):
     dp_group = mesh["dp"].get_group()
     model = Transformer(config, tp_group=mesh["tp"].get_group(), overlap=True, seed=5)
     wrapped = apply_fsdp(model, mesh)
-    model.load_full_state_dict(state)
+    load_full_state_dict(model, state)
     loss = data_parallel_loss(wrapped, split_batch(ids, dp_group), split_batch(labels, dp_group),
                               dp_group)
     loss.backward()
     whole = all_reduce_(loss.detach().clone(), dp_group) / dist.get_world_size(dp_group)
-    grads = to_hf(config, model.full_grads())
+    grads = to_hf(config, full_grads(model))
     return {"loss": max_rel_error(whole, expected["loss"]),
             **{"grad:" + n: max_rel_error(g, expected["grad:" + n]) for n, g in grads.items()}}
 

@@ -150,9 +150,9 @@ def test_the_rooms_exist_and_the_library_readme_names_every_module():
     assert not stale, f"tensor_parallel_toy/README.md names modules that do not exist: {stale}"
 
 
-def reading_path():
+def reading_path(package_dir=PACKAGE_DIR):
     """The files the library README's `Reading path:` line names, in its order."""
-    with open(os.path.join(PACKAGE_DIR, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(package_dir, "README.md"), encoding="utf-8") as f:
         lines = [line for line in f if line.startswith("Reading path:")]
     assert len(lines) == 1, f"{len(lines)} lines begin with 'Reading path:' in the library README"
     return re.findall(r"`([\w/]+\.py)`", lines[0])
@@ -177,33 +177,68 @@ def code_lines(path):
     return len(lines - docstrings)
 
 
-def test_the_reading_path_is_short_and_enters_no_guard():
+# What the kernel (the reading path) may import of the package: one another, and these.
+KERNEL_MAY_IMPORT = ("config", "rotary")
+
+
+def kernel_problems(package_dir):
+    """One line per import of the reading path outside the kernel, and per check it calls."""
+    modules = _modules(package_dir)
+    packages = {m for m, p in modules.items() if p.endswith("__init__.py")}
+    kernel = {f"{PACKAGE}.{name[:-3].replace('/', '.')}" for name in reading_path(package_dir)}
+    allowed = kernel | {f"{PACKAGE}.{name}" for name in KERNEL_MAY_IMPORT}
+    problems = []
+    for module in sorted(kernel):
+        with open(modules[module], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        targets = [(node.lineno, _resolve(module, node, packages)) for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom)]
+        targets += [(node.lineno, alias.name) for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names]
+        problems += [f"{module} imports {t} (line {line}): the kernel imports only itself, "
+                     f"{', '.join(KERNEL_MAY_IMPORT)}" for line, t in targets
+                     if t.startswith(PACKAGE) and t not in allowed]
+        called = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and isinstance(node.func, (ast.Name, ast.Attribute))}
+        # check_divisible, check_tp_size: size preconditions of the split itself (Megatron's
+        # ensure_divisibility), not guards.
+        problems += [f"{module} calls {c}" for c in sorted(called)
+                     if c.startswith(("check_", "agree_"))
+                     and c not in ("check_divisible", "check_tp_size")]
+    return problems
+
+
+def test_the_reading_path_is_a_short_kernel_that_enters_no_guard():
     """A learner follows the idea from the region functions to the Transformer without entering
-    a check: the reading path holds at most 650 lines of code, and only model.py touches the
-    guards, in one import (the decorator that attaches them from outside)."""
+    a check: the reading path holds at most 650 lines of code and imports nothing of the
+    package but its own files, config.py and rotary.py (guards, plans, interop, the launcher
+    and the harness are its clients: arrows run only into it), and calls no check but the
+    split's own size preconditions."""
     path = reading_path()
     assert path[:2] == ["comm.py", "ring.py"] and path[-1] == "model.py" and \
         "parallel_linear.py" in path, path
     counts = {f: code_lines(os.path.join(PACKAGE_DIR, f)) for f in path}
     assert sum(counts.values()) <= READING_PATH_MAX_CODE_LINES, counts
-    modules = _modules(PACKAGE_DIR)
-    packages = {m for m, p in modules.items() if p.endswith("__init__.py")}
-    for name in path:
-        module = f"{PACKAGE}.{name[:-3].replace('/', '.')}"
-        with open(modules[module], encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        guards = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                  and _resolve(module, node, packages).startswith(f"{PACKAGE}.guards")]
-        assert len(guards) <= (1 if name == "model.py" else 0), f"{name} imports guards at " \
-                                                                  f"lines {guards}"
-        called = {node.func.id if isinstance(node.func, ast.Name) else node.func.attr
-                  for node in ast.walk(tree) if isinstance(node, ast.Call)
-                  and isinstance(node.func, (ast.Name, ast.Attribute))}
-        # check_divisible: a shape precondition of the split itself (Megatron's
-        # ensure_divisibility), not a guard.
-        checks = sorted(c for c in called if c.startswith(("check_", "agree_"))
-                        and c != "check_divisible")
-        assert not checks, f"{name} calls {checks}"
+    problems = kernel_problems(PACKAGE_DIR)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kernel_rule_catches_an_import_of_a_client_and_a_check(tmp_path):
+    """The rule above must be able to fail: a kernel file importing guards/ is caught, and so
+    is a check called on the path."""
+    import shutil
+
+    copy = tmp_path / PACKAGE
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    model = copy / "model.py"
+    model.write_text(model.read_text().replace(
+        "import math\n", "import math\nfrom .guards.batch import check_batch\n", 1).replace(
+        "        s = input_ids.shape[1]\n", "        s = input_ids.shape[1]\n"
+        "        check_batch(self, input_ids)\n", 1))
+    problems = kernel_problems(str(copy))
+    assert any("imports tensor_parallel_toy.guards.batch" in p for p in problems), problems
+    assert any("calls check_batch" in p for p in problems), problems
 
 
 def test_imports_run_into_the_library_and_no_private_name_crosses_a_module():

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy.support.sharding import full_grads, full_state_dict, load_full_state_dict
 from tensor_parallel_toy import ColumnParallelLinear, ModelConfig, RowParallelLinear, Transformer
 from tensor_parallel_toy.launcher.initialize import current_device
 
@@ -30,9 +31,9 @@ def _on_rank_check_model(overlap, steps):
     dev = current_device()
     base = Transformer(CONFIG, seed=0).to(dev)
     loaded = Transformer(CONFIG, tp_group=world()[0], overlap=overlap, seed=99).to(dev)
-    loaded.load_full_state_dict(base.state_dict())
+    load_full_state_dict(loaded, base.state_dict())
     errors.update({"load:" + k: max_rel_error(v, base.state_dict()[k])
-                   for k, v in loaded.full_state_dict().items()})
+                   for k, v in full_state_dict(loaded).items()})
     return errors
 
 
@@ -48,7 +49,7 @@ def _on_rank_check_model_bf16():
         logits = model(ids)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
-        grads = model.full_grads() if model is tp else {
+        grads = full_grads(model) if model is tp else {
             n: p.grad for n, p in model.named_parameters()}
         results[model] = {"logits": logits, "loss": loss,
                           **{"grad:" + n: g for n, g in grads.items()}}
@@ -65,7 +66,7 @@ def _on_rank_overlap_vs_basic():
         model = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=3)
         ids, labels = fixed_batch(seed=11, seq=10)  # padded to 12 rows, 3 per rank
         model.loss(ids, labels).backward()
-        out[overlap] = {"loss": model.loss(ids, labels).detach(), **model.full_grads()}
+        out[overlap] = {"loss": model.loss(ids, labels).detach(), **full_grads(model)}
     return {f"overlap={o} {k}": max_rel_error(out[o][k], v) for o in (True, 3)
             for k, v in out[False].items()}
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy import guard
 from tensor_parallel_toy.config import ModelConfig
 
 from .helpers import (CONFIG, draw_norms_and_biases_, fixed_batch, mesh_2x2,
@@ -82,7 +83,7 @@ def _on_rank_broken():
     original = model_module.copy_to_tensor_parallel_region
     model_module.copy_to_tensor_parallel_region = identity
     try:
-        ours = Transformer(CONFIG, tp_group=group, seed=0, check_replicated_grads="first")
+        ours = guard(Transformer(CONFIG, tp_group=group, seed=0), check_replicated_grads="first")
         ids, labels = fixed_batch()
         messages["ours without the norm's f"] = _error_of(lambda: ours(ids, labels).backward())
     finally:
@@ -118,7 +119,7 @@ def _on_rank_correct():
 
     group = dist.group.WORLD
     compared = {}
-    ours = Transformer(QK_CONFIG, tp_group=group, seed=0, check_replicated_grads=1)
+    ours = guard(Transformer(QK_CONFIG, tp_group=group, seed=0), check_replicated_grads=1)
     torch.manual_seed(0)
     classic = apply_tensor_parallel(copy.deepcopy(MyModel()), group, check_replicated_grads=1)
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
@@ -137,7 +138,8 @@ def _on_rank_correct():
             for param in model.parameters():
                 param.grad = None
     for name, model in (("ours", ours), ("classic", classic), ("qwen3", qwen)):
-        watch = model.replicated_grads_watch
+        guards = getattr(model, "guards", None)  # guard()'s, or the DTensor plan's own watch
+        watch = guards.replicated_grads_watch if guards else model.replicated_grads_watch
         compared[name] = (watch.checks, watch.compared)
     return compared
 
@@ -176,7 +178,7 @@ def _on_rank_different_options():
 
     group = dist.group.WORLD
     option = "first" if dist.get_rank() == 0 else None
-    builders = {"ours": lambda: Transformer(CONFIG, tp_group=group, check_replicated_grads=option),
+    builders = {"ours": lambda: guard(Transformer(CONFIG, tp_group=group), check_replicated_grads=option),
                 "hf": lambda: dtensor_tp.parallelize_hf_model(
                     _tiny_qwen3(), DeviceMesh.from_group(group, "cpu"),
                     check_replicated_grads=option),
