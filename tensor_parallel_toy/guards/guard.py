@@ -35,6 +35,7 @@ this: `guard` only checks the options then.
 import contextvars
 import dataclasses
 import inspect
+import zlib
 
 import torch
 
@@ -93,6 +94,9 @@ def _fingerprint(model, tp_group, options):
     if dataclasses.is_dataclass(config):
         fields.update({f"config.{k}": v for k, v in dataclasses.asdict(config).items()})
     for name, param in model.named_parameters():
+        split = getattr(param, "tensor_parallel_rows", None)
+        if split is not None:  # ranks may hold the same shape's other rows
+            fields[f"split:{name}"] = zlib.crc32(split.rows.numpy().tobytes())
         if getattr(param, "tensor_parallel_dim", None) is None:  # the same on every rank
             fields[f"sum:{name}"] = repr(param.detach().double().sum().item())
     return module_fingerprint(model, **fields)

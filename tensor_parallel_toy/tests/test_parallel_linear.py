@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tensor_parallel_toy import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+from tensor_parallel_toy import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear, guard,
                                  row_parallel_linear)
 from tensor_parallel_toy.launcher.initialize import current_device
 
@@ -337,8 +337,8 @@ def _on_rank_shapes_two_ranks_cannot_split():
              for shape in ((3, 4, 2), (1, 5, 2), (1, 4, 2))}
     cases["int"] = lambda: ColumnParallelLinear(8, 12, tp_group=group, split_dim=1)
     # Both ranks get a [12, 8] shard, of different rows: only the fingerprint can tell.
-    cases["split_dim"] = lambda: ColumnParallelLinear(8, (2, 12), tp_group=group,
-                                                      split_dim=rank)
+    cases["split_dim"] = lambda: guard(ColumnParallelLinear(8, (2, 12), tp_group=group,
+                                                            split_dim=rank))
     return value_error_messages(cases)
 
 
@@ -346,7 +346,7 @@ def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
     """3, then 1 along dim 0 over 2 ranks (shapes of q/k/v rows: the config refuses k/v heads
     that neither divide nor are divided by the TP size before any layer exists); a split_dim
     without a shape; ranks splitting the same shape along different dims (same local shape),
-    refused on every rank."""
+    refused on every rank when guarded."""
     per_rank = pools(2).run(_on_rank_shapes_two_ranks_cannot_split)
     for shape, message in per_rank[0].items():
         if shape == "int":
@@ -367,7 +367,7 @@ def _on_rank_uneven_pieces():
         "column": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=4)(x),
         "row": lambda: RowParallelLinear(8, 4, tp_group=group, overlap=4)(
             torch.randn(12, 2, 4)),
-        "zero": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=0.5)})
+        "zero": lambda: guard(ColumnParallelLinear(8, 4, tp_group=group, overlap=0.5))})
 
 
 def test_ring_pieces_that_do_not_divide_the_rows_are_refused_in_one_line_on_every_rank(pools):
