@@ -14,7 +14,23 @@ model of your own.
 
 The styles have the names, arguments and meaning of `torch.distributed.tensor.parallel`'s
 (`Shard(d)` / `Replicate()` are PyTorch's placements; `Shard(d)` on an activation says which
-dim holds the sequence, split over the ranks). What each does here, p = TP size:
+dim holds the sequence, split over the ranks), and PyTorch's own objects are taken too, read
+into ours with the same arguments (styles.translate_style). A plan written for PyTorch runs as
+written: one style for the module it is given with, or a plan in several calls (the root's
+entries, then each block's, as PyTorch's own test Transformer.parallelize does):
+
+    parallelize_module(model, tp_group, {"tok_embeddings": RowwiseParallel(...), ...})
+    for block in model.layers:
+        parallelize_module(block, tp_group, {"attention.wq": ColwiseParallel(), ...})
+    parallelize_module(model.output, tp_group, ColwiseParallel(output_layouts=Replicate()))
+
+A module a call is given and a style replaces (an nn.Linear made a column layer) is changed in
+place, its class and weights, as PyTorch changes it; a weight tied to one split in an earlier
+call is split the same way and becomes the same Parameter again. Whether the plan covers every
+parameter is known only once every call is made: it is checked at the first forward of the
+outermost planned module (a one-shot pre-hook, check_plan_coverage).
+
+What each style does here, p = TP size:
 
     ColwiseParallel   nn.Linear -> ColumnParallelLinear, weight rows split.
                       input Shard(d): all-gather the sequence, then the GEMM (parallel_linear's
@@ -27,8 +43,9 @@ dim holds the sequence, split over the ranks). What each does here, p = TP size:
     RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
                       output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
                       or its ring); output Replicate() (default): `g`, an all-reduce.
-                      nn.Embedding -> VocabParallelEmbedding: rows split, output Shard(d) only
-                      (reduce_scatter_to_sequence_parallel_region).
+                      nn.Embedding -> VocabParallelEmbedding: rows split, the whole ids in
+                      (input Replicate()); output Shard(d): reduce-scatter the sequence
+                      (reduce_scatter_to_sequence_parallel_region); Replicate(): `g`.
     SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
                       parameters stay whole and their gradient is summed over the group before
                       it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
@@ -52,11 +69,23 @@ equals one device's run from the same seed; drawing p times the random numbers a
 the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
 regions: cheaper, different masks per rank too, but no longer one device's run.)
 
-Refused in one line, before any collective: a key matching no module, a module matched twice,
-a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
-would stay a per-rank tensor with a partial gradient), an nn.Dropout with p > 0 no entry
-covers, a tied weight split on one side only; at run time, before the collective, a sequence
-p does not divide (refused, not padded: padding would change the model's output shape).
+Outputs are plain tensors, this rank's part: ColwiseParallel / RowwiseParallel take only
+use_local_output=True (code written for PyTorch's DTensor output reads global shapes, e.g. a
+view with every head, and would compute another thing); SequenceParallel and PrepareModule*
+take either value, their outputs read the same by elementwise code, but code between them and
+the next planned layer that reads a length there sees this rank's part.
+
+Refused in one line, before any collective: a key matching no module, a module matched twice
+or planned by an earlier call, a style on a module it cannot split, sizes p does not divide,
+use_local_output=False on a column or row layer, a PyTorch style we do not carry out
+(PrepareModuleInputOutput, a subclass, another ParallelStyle) or one carrying an attribute we
+would not honour (ColwiseParallel's desired_input_layouts other than (Replicate(),), any
+attribute a later PyTorch adds); at the first forward, before its collectives: a parameter no
+entry covers (it would stay a per-rank tensor with a partial gradient; PyTorch leaves modules
+that see the same data on every rank out of its plans, we ask for NoParallel), an nn.Dropout
+with p > 0 no entry covers, a tied weight split on one side only; at run time, before the
+collective, a sequence p does not divide (refused, not padded: padding would change the
+model's output shape).
 """
 import difflib
 import fnmatch
