@@ -73,7 +73,10 @@ Outputs are plain tensors, this rank's part: ColwiseParallel / RowwiseParallel t
 use_local_output=True (code written for PyTorch's DTensor output reads global shapes, e.g. a
 view with every head, and would compute another thing); SequenceParallel and PrepareModule*
 take either value, their outputs read the same by elementwise code, but code between them and
-the next planned layer that reads a length there sees this rank's part.
+the next planned layer that reads a length there sees this rank's part. And a layer takes its
+input in the layout its input_layouts say: PyTorch redistributes a DTensor that arrives in
+another layout, here the plan must say the layout it arrives in (e.g. PrepareModuleInput to
+gather a norm's Shard(1) output before an attention whose column layers take Replicate()).
 
 Refused in one line, before any collective: a key matching no module, a module matched twice
 or planned by an earlier call, a style on a module it cannot split, sizes p does not divide,
@@ -409,6 +412,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicate
         if new is not mod:
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 _copy_shards(mod, new, tp_group)
+            new.train(mod.training)
             if name:
                 _set_module(module, name, new)
             else:

@@ -109,13 +109,15 @@ def _torch_output(s, where):
 
 
 # PyTorch's class -> (ours from it, the attributes it may carry, each attribute that has only
-# one value we carry out -> that value). `src_data_rank` (which rank's full weight is split)
+# one value we carry out -> (that value, why)). `src_data_rank` (which rank's full weight is split)
 # may take any value: every rank here splits its own, and the ranks are checked to agree.
 # RowwiseParallel's desired_input_layouts is set by PyTorch itself from the module's kind.
 _FROM_TORCH = {
     torch_tp.ColwiseParallel: (_torch_colwise, {"input_layouts", "output_layouts",
                                                 "desired_input_layouts", "use_local_output"},
-                               {"desired_input_layouts": (Replicate(),)}),
+                               {"desired_input_layouts": (
+                                   (Replicate(),), "the column GEMM takes the whole input; "
+                                                   "input_layouts says how it arrives")}),
     torch_tp.RowwiseParallel: (_torch_rowwise, {"input_layouts", "output_layouts",
                                                 "desired_input_layouts", "use_local_output"}, {}),
     torch_tp.SequenceParallel: (_torch_sequence, {"sequence_sharding", "use_local_output"}, {}),
@@ -157,10 +159,9 @@ def translate_style(style, where):
             raise ValueError(f"{where}: PyTorch's {cls.__name__} carries {attr}={value!r}, "
                              f"which this package does not carry out; valid are "
                              f"{', '.join(sorted(known))}")
-        if attr in only and value != only[attr]:
+        if attr in only and value != only[attr][0]:
             raise ValueError(f"{where}: PyTorch's {cls.__name__} with {attr}={value!r}: valid "
-                             f"is {only[attr]!r} (the column GEMM takes the whole input; "
-                             f"input_layouts says how it arrives)")
+                             f"is {only[attr][0]!r} ({only[attr][1]})")
     return ours(style, where)
 
 
