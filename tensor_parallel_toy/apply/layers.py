@@ -9,7 +9,7 @@ sequence) come first, before any collective.
     PlannedColumn     ColumnParallelLinear: all-gather(seq) + GEMM, or `f` + GEMM on a whole
                       input; optionally the features gathered after
     PlannedRow        RowParallelLinear: GEMM + reduce-scatter(seq), or GEMM + `g`
-    PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq)
+    PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq), or lookup + `g`
     SequenceParallelDropout   one device's mask, this rank's slice of it
     gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
 """
@@ -78,7 +78,8 @@ class PlannedRow(RowParallelLinear):
 
 
 class PlannedEmbedding(VocabParallelEmbedding):
-    """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel)."""
+    """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel);
+    `output_dim=None`: the whole lookup on every rank (PyTorch's layout without SP)."""
 
     def __init__(self, embedding, tp_group, output_dim, where):
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group,
@@ -87,6 +88,11 @@ class PlannedEmbedding(VocabParallelEmbedding):
         self.output_dim, self.where = output_dim, where
 
     def forward(self, ids):
+        if self.output_dim is None:  # this rank's rows looked up, the rest zeros, summed by `g`
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            x = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
+            return reduce_from_tensor_parallel_region(x.masked_fill(outside.unsqueeze(-1), 0.0),
+                                                      self.tp_group)  # [..., h]
         ids = to_sequence_first(ids, self.output_dim, group_size(self.tp_group), self.where,
                             whole=True)
         return super().forward(ids).transpose(0, self.output_dim).contiguous()

@@ -14,7 +14,23 @@ model of your own.
 
 The styles have the names, arguments and meaning of `torch.distributed.tensor.parallel`'s
 (`Shard(d)` / `Replicate()` are PyTorch's placements; `Shard(d)` on an activation says which
-dim holds the sequence, split over the ranks). What each does here, p = TP size:
+dim holds the sequence, split over the ranks), and PyTorch's own objects are taken too, read
+into ours with the same arguments (styles.translate_style). A plan written for PyTorch runs as
+written: one style for the module it is given with, or a plan in several calls (the root's
+entries, then each block's, as PyTorch's own test Transformer.parallelize does):
+
+    parallelize_module(model, tp_group, {"tok_embeddings": RowwiseParallel(...), ...})
+    for block in model.layers:
+        parallelize_module(block, tp_group, {"attention.wq": ColwiseParallel(), ...})
+    parallelize_module(model.output, tp_group, ColwiseParallel(output_layouts=Replicate()))
+
+A module a call is given and a style replaces (an nn.Linear made a column layer) is changed in
+place, its class and weights, as PyTorch changes it; a weight tied to one split in an earlier
+call is split the same way and becomes the same Parameter again. Whether the plan covers every
+parameter is known only once every call is made: it is checked at the first forward of the
+outermost planned module (a one-shot pre-hook, check_plan_coverage).
+
+What each style does here, p = TP size:
 
     ColwiseParallel   nn.Linear -> ColumnParallelLinear, weight rows split.
                       input Shard(d): all-gather the sequence, then the GEMM (parallel_linear's
@@ -27,8 +43,9 @@ dim holds the sequence, split over the ranks). What each does here, p = TP size:
     RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
                       output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
                       or its ring); output Replicate() (default): `g`, an all-reduce.
-                      nn.Embedding -> VocabParallelEmbedding: rows split, output Shard(d) only
-                      (reduce_scatter_to_sequence_parallel_region).
+                      nn.Embedding -> VocabParallelEmbedding: rows split, the whole ids in
+                      (input Replicate()); output Shard(d): reduce-scatter the sequence
+                      (reduce_scatter_to_sequence_parallel_region); Replicate(): `g`.
     SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
                       parameters stay whole and their gradient is summed over the group before
                       it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
@@ -52,11 +69,26 @@ equals one device's run from the same seed; drawing p times the random numbers a
 the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
 regions: cheaper, different masks per rank too, but no longer one device's run.)
 
-Refused in one line, before any collective: a key matching no module, a module matched twice,
-a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
-would stay a per-rank tensor with a partial gradient), an nn.Dropout with p > 0 no entry
-covers, a tied weight split on one side only; at run time, before the collective, a sequence
-p does not divide (refused, not padded: padding would change the model's output shape).
+Outputs are plain tensors, this rank's part: ColwiseParallel / RowwiseParallel take only
+use_local_output=True (code written for PyTorch's DTensor output reads global shapes, e.g. a
+view with every head, and would compute another thing); SequenceParallel and PrepareModule*
+take either value, their outputs read the same by elementwise code, but code between them and
+the next planned layer that reads a length there sees this rank's part. And a layer takes its
+input in the layout its input_layouts say: PyTorch redistributes a DTensor that arrives in
+another layout, here the plan must say the layout it arrives in (e.g. PrepareModuleInput to
+gather a norm's Shard(1) output before an attention whose column layers take Replicate()).
+
+Refused in one line, before any collective: a key matching no module, a module matched twice
+or planned by an earlier call, a style on a module it cannot split, sizes p does not divide,
+use_local_output=False on a column or row layer, a PyTorch style we do not carry out
+(PrepareModuleInputOutput, a subclass, another ParallelStyle) or one carrying an attribute we
+would not honour (ColwiseParallel's desired_input_layouts other than (Replicate(),), any
+attribute a later PyTorch adds); at the first forward, before its collectives: a parameter no
+entry covers (it would stay a per-rank tensor with a partial gradient; PyTorch leaves modules
+that see the same data on every rank out of its plans, we ask for NoParallel), an nn.Dropout
+with p > 0 no entry covers, a tied weight split on one side only; at run time, before the
+collective, a sequence p does not divide (refused, not padded: padding would change the
+model's output shape).
 """
 import difflib
 import fnmatch
@@ -73,9 +105,9 @@ from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
 from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
-from .styles import (STYLES, ColwiseParallel, NoParallel, PrepareModuleInput,
-                     PrepareModuleOutput, RowwiseParallel, SequenceParallel, layout_or,
-                     layout_pairs, prepare_hook, sequence_dim)
+from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
+                     PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
+                     layout_or, layout_pairs, prepare_hook, sequence_dim, translate_style)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,10 +131,11 @@ def matching_modules(module, key, prefix=""):
 def _check_style(name, module, style, p):
     """One line for anything `style` cannot do to `module` over p ranks."""
     where = f"{type(style).__name__} at {name!r}"
-    if name == "" and (isinstance(style, (ColwiseParallel, RowwiseParallel)) or
-                       isinstance(module, nn.Dropout)):
-        raise ValueError(f"{where}: a style that replaces the module cannot apply to the root "
-                         f"itself; plan its layers by name")
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and style.use_local_output is not True:
+        raise ValueError(f"{where}: use_local_output={style.use_local_output!r}: valid is True; "
+                         f"the output here is a plain tensor, this rank's part, and code written "
+                         f"for PyTorch's DTensor output (global shapes) would compute another "
+                         f"thing")
     if isinstance(style, ColwiseParallel):
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by columns here; "
@@ -140,10 +173,10 @@ def _check_style(name, module, style, p):
                                  f"this rank's features, Shard(-1)")
             check_divisible(f"{where}: in_features", module.in_features, p)
         elif isinstance(module, nn.Embedding):
-            if not isinstance(inp, Replicate) or out is None:
-                raise ValueError(f"{where}: an nn.Embedding takes the whole ids (input_layouts="
-                                 f"Replicate()) and returns this rank's sequence rows "
-                                 f"(output_layouts=Shard(d)); other layouts are not implemented")
+            if not isinstance(inp, Replicate):
+                raise ValueError(f"{where}: input_layouts={inp!r}: an nn.Embedding takes the "
+                                 f"whole ids, Replicate() (output Shard(d): this rank's sequence "
+                                 f"rows; Replicate(): the whole lookup)")
             if module.padding_idx is not None or module.max_norm is not None:
                 raise ValueError(f"{where}: padding_idx / max_norm are not supported")
             check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
@@ -198,20 +231,25 @@ def _check_dropouts(module, matched):
                              f"SequenceParallel(sequence_dim=d), d the dim split over the ranks")
 
 
+def _plan_dict(plan):
+    if isinstance(plan, dict):
+        return plan
+    if is_style(plan):  # one style: for the module it is given with
+        return {"": plan}
+    raise ValueError(f"plan must be a dict {{module name pattern: style}} or one style, got "
+                     f"{type(plan).__name__}")
+
+
 def resolve_plan(module, plan, p):
-    """{module name: (module, style)} for `plan`, every check made (no communication)."""
-    if not isinstance(plan, dict):
-        raise ValueError(f"plan must be a dict {{module name pattern: style}}, got "
-                         f"{type(plan).__name__}")
+    """{module name: (module, style)} for `plan` (a dict, or one style for `module` itself),
+    PyTorch's styles read into ours, every check this plan alone allows made (no
+    communication). Whether it covers every parameter waits for the first forward
+    (`check_plan_coverage`): a plan may come in several calls."""
+    plan = _plan_dict(plan)
     names = [n for n, _ in module.named_modules() if n]
     matched = {}
-    for key, style in plan.items():
-        if not isinstance(style, STYLES):
-            cls = type(style)
-            hint = (f"; use tensor_parallel_toy.apply.{cls.__name__} (same arguments)"
-                    if cls.__name__ in {s.__name__ for s in STYLES} else "")
-            raise ValueError(f"plan[{key!r}] is a {cls.__module__}.{cls.__name__}: valid are "
-                             f"{', '.join(s.__name__ for s in STYLES)}{hint}")
+    for key, given in plan.items():
+        style = translate_style(given, f"plan[{key!r}]")
         found = matching_modules(module, key)
         if not found:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
@@ -222,12 +260,55 @@ def resolve_plan(module, plan, p):
             if name in matched:
                 raise ValueError(f"module {name!r} is matched by two plan keys, "
                                  f"{matched[name][2]!r} and {key!r}; keep one")
+            earlier = getattr(mod, "plan_style", None)
+            if earlier is not None:
+                raise ValueError(f"module {name!r} ({type(mod).__name__}) is planned already, "
+                                 f"{earlier!r}, by an earlier call; plan each module once")
             _check_style(name, mod, style, p)
             matched[name] = (mod, style, key)
-    matched = {name: (mod, style) for name, (mod, style, _) in matched.items()}
+    return {name: (mod, style) for name, (mod, style, _) in matched.items()}
+
+
+def _check_ties(module, matched):
+    """A weight tied to one the plan splits must be split the same way (then it is the same
+    Parameter again, `_copy_shards`); the full weight left behind names its split twin."""
+    for name, mod in module.named_modules():
+        if isinstance(matched.get(name, (None, None))[1], (ColwiseParallel, RowwiseParallel)):
+            continue
+        for pname, param in mod.named_parameters(recurse=False):
+            twin = getattr(param, "split_into", None)
+            if twin is not None:
+                label = f"{name}.{pname}" if name else pname
+                raise ValueError(f"{label} is tied to {twin[1]}, which the plan splits, but "
+                                 f"{name!r} is not split the same way; plan it too")
+
+
+def check_plan_coverage(module):
+    """The checks that need the whole plan, every parallelize_module call on `module` and its
+    parts made: every parameter split or kept whole, no tied weight split on one side only, no
+    unplanned dropout with p > 0. Reads the style each call left on the modules it planned
+    (`plan_style`); one line for the first problem. Runs by itself at the first forward."""
+    matched = {name: (mod, mod.plan_style) for name, mod in module.named_modules()
+               if getattr(mod, "plan_style", None) is not None}
+    _check_ties(module, matched)
     _check_covered(module, matched)
     _check_dropouts(module, matched)
-    return matched
+
+
+def _check_at_first_forward(module):
+    """`check_plan_coverage` in a forward pre-hook of `module`, run once it passes. The
+    outermost planned module's hook runs first and removes those of the modules inside it."""
+    def check(mod, args):
+        check_plan_coverage(mod)
+        for sub in mod.modules():
+            pending = sub.__dict__.pop("pending_plan_check", None)
+            if pending is not None:
+                pending.remove()
+
+    earlier = module.__dict__.pop("pending_plan_check", None)
+    if earlier is not None:
+        earlier.remove()
+    module.pending_plan_check = module.register_forward_pre_hook(check)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,46 +350,52 @@ def _set_module(root, name, new):
     setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
 
 
+def _become(module, new):
+    """`module` turned into `new` in place, its class and state, the hooks registered on it
+    kept: the module a call is given has no parent here to hold a replacement, and whoever
+    holds it (PyTorch's parallelize_module changes a module in place) holds the split one."""
+    hooks = {k: v for k, v in vars(module).items() if "hook" in k}
+    vars(module).clear()
+    vars(module).update(vars(new), **hooks)
+    module.__class__ = type(new)
+
+
 @torch.no_grad()
-def _copy_shards(old, new, group, shared):
-    """Each of `new`'s parameters gets this rank's shard of `old`'s; a parameter `old` shares
-    with a module converted before (a tied weight) becomes the same Parameter again."""
+def _copy_shards(old, new, group):
+    """Each of `new`'s parameters gets this rank's shard of `old`'s. The full weight keeps a
+    mark (`split_into`: the shard and its name), so a module that shares it (a tied weight),
+    converted in this call or a later one, gets the same Parameter again."""
     for pname, param in list(new.named_parameters(recurse=False)):
         full = getattr(old, pname)
-        if id(full) in shared:
-            twin, twin_name = shared[id(full)]
-            if twin.shape != param.shape or tensor_parallel_dim(twin) != tensor_parallel_dim(param):
-                raise ValueError(f"{twin_name} and {new.where}.{pname} are one tied weight split "
-                                 f"two ways ({list(twin.shape)} and {list(param.shape)}); split "
+        twin = getattr(full, "split_into", None)
+        if twin is not None:
+            split, split_name = twin
+            if split.shape != param.shape or tensor_parallel_dim(split) != tensor_parallel_dim(param):
+                raise ValueError(f"{split_name} and {new.where}.{pname} are one tied weight split "
+                                 f"two ways ({list(split.shape)} and {list(param.shape)}); split "
                                  f"both the same way (e.g. both by vocabulary rows)")
-            setattr(new, pname, twin)
+            setattr(new, pname, split)
             continue
         param.copy_(shard(full.detach(), param, group))
-        shared[id(full)] = (param, f"{new.where}.{pname}")
-
-
-def _check_ties(module, matched):
-    """A weight shared with a module the plan splits must be split there too."""
-    split = {id(p) for name, (mod, style) in matched.items()
-             if isinstance(style, (ColwiseParallel, RowwiseParallel)) for p in mod.parameters()}
-    for name, mod in module.named_modules():
-        style = matched.get(name, (None, None))[1]
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            continue
-        for pname, param in mod.named_parameters(recurse=False):
-            if id(param) in split:
-                raise ValueError(f"{name}.{pname} is tied to a weight the plan splits, but "
-                                 f"{name!r} is not split the same way; plan it too")
+        full.split_into = (param, f"{new.where}.{pname}")
 
 
 def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
                        same_batch="check", check_replicated_grads="first"):
-    """Carry out `plan` ({module name pattern: style}) on `module`, in place, over `tp_group`;
-    returns `module`, guarded. Every rank must hold the same full weights beforehand (same seed
-    or checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
-    use the ring (parallel_linear.py). It ends with `guard(module, tp_group, ...)` (guards/
-    guard.py), with these three options: the ranks fed the same batch, ids in range, every
-    parameter kept whole with the same gradient on every rank after the first backward.
+    """Carry out `plan` on `module`, in place, over `tp_group`; returns `module`, guarded.
+
+    `plan`: {module name pattern: style}, or one style for `module` itself (an nn.Linear given
+    ColwiseParallel() becomes the column layer in place: its class and weights change, the
+    object stays). The styles are ours or PyTorch's own (`torch.distributed.tensor.parallel`),
+    read with the same arguments. A plan may come in several calls, as PyTorch allows (the
+    root's entries, then each block's, then a bare style on one module): whether it covers
+    every parameter is checked at the first forward of the outermost planned module.
+
+    Every rank must hold the same full weights beforehand (same seed or checkpoint): each keeps
+    its shards of them. `overlap=True`: the sequence-parallel layers use the ring
+    (parallel_linear.py). It ends with `guard(module, tp_group, ...)` (guards/guard.py), with
+    these three options: the ranks fed the same batch, ids in range, every parameter kept
+    whole with the same gradient on every rank after the first backward.
 
     Everything is checked before any communication (see the module docstring); then the ranks
     compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
@@ -318,21 +405,26 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     check_same_batch_option(same_batch)
     p = group_size(tp_group)
     matched = resolve_plan(module, plan, p)
-    _check_ties(module, matched)
     values = {f"sum:{n}": repr(t.detach().double().sum().item())
               for n, t in module.named_parameters()}
-    check_ranks_agree(module_fingerprint(module, plan=repr(sorted(plan.items(), key=repr)),
-                                         overlap=overlap, tp_size=p, **values,
-                                         check_replicated_grads=check_replicated_grads),
+    styles = sorted(((n, s) for n, (_, s) in matched.items()), key=repr)
+    check_ranks_agree(module_fingerprint(module, plan=repr(styles), overlap=overlap, tp_size=p,
+                                         **values, check_replicated_grads=check_replicated_grads),
                       tp_group, "models or plans for parallelize_module")
-    shared = {}
     for name, (mod, style) in matched.items():
         new = _replacement(name, mod, style, tp_group, overlap)
         if new is not mod:
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                _copy_shards(mod, new, tp_group, shared)
-            _set_module(module, name, new)
+                _copy_shards(mod, new, tp_group)
+            new.train(mod.training)
+            if name:
+                _set_module(module, name, new)
+            else:
+                _become(mod, new)
+                new = mod
+        new.plan_style = style
     record_layouts(module)
+    _check_at_first_forward(module)  # local, so before the guard's batch comparison
     return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
                  check_replicated_grads=check_replicated_grads)
 
@@ -386,6 +478,6 @@ def rank_major_rows(style, p):
 
 
 __all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "RowwiseParallel", "SequenceParallel",
+           "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
            "matching_modules", "parallelize_module", "rank_major_rows", "resolve_plan",
            "torch_plan"]

@@ -1,9 +1,11 @@
 """The styles of a plan (apply/plan.py): what a plan says about one module, in PyTorch's
-names and arguments, and the layout helpers that read them (which dim a `Shard(d)` names, the
-moves a PrepareModuleInput / Output may make, and the hooks that make them)."""
+names and arguments; PyTorch's own style objects read into them (`translate_style`); and the
+layout helpers that read them (which dim a `Shard(d)` names, the moves a PrepareModuleInput /
+Output may make, and the hooks that make them)."""
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import parallel as torch_tp
 
 from .layers import redistribute
 
@@ -16,7 +18,7 @@ class ColwiseParallel:
     """An nn.Linear's output features split over the ranks (PlannedColumn)."""
     input_layouts: object = None  # None: Replicate()
     output_layouts: object = None  # None: Shard(-1)
-    use_local_output: bool = True  # accepted for PyTorch's sake: our outputs are plain tensors
+    use_local_output: bool = True  # only True: our outputs are plain local tensors
     output_shape: tuple = None  # the rows flatten this shape (a fused projection)
     split_dim: int = 0  # the dim of output_shape split over the ranks
 
@@ -26,7 +28,7 @@ class RowwiseParallel:
     """An nn.Linear's input features (or an nn.Embedding's rows) split (PlannedRow / Embedding)."""
     input_layouts: object = None  # None: Shard(-1)
     output_layouts: object = None  # None: Replicate()
-    use_local_output: bool = True
+    use_local_output: bool = True  # only True, as ColwiseParallel
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class SequenceParallel:
     """A module on this rank's part of dim `sequence_dim`, its parameters whole, their
     gradients summed over the group; a dropout's mask one device's."""
     sequence_dim: int = 1
-    use_local_output: bool = False
+    use_local_output: bool = False  # either: the output is this rank's rows, a plain tensor
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,105 @@ class PrepareModuleOutput:
 
 STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
           PrepareModuleOutput)
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's style objects, read into ours
+# ----------------------------------------------------------------------------------------------
+def _one(layouts):
+    """PyTorch keeps a Colwise / Rowwise layout as a one-element tuple: its element."""
+    return layouts[0] if isinstance(layouts, tuple) and len(layouts) == 1 else layouts
+
+
+def _torch_colwise(s, where):
+    return ColwiseParallel(input_layouts=_one(s.input_layouts),
+                           output_layouts=_one(s.output_layouts),
+                           use_local_output=s.use_local_output)
+
+
+def _torch_rowwise(s, where):
+    return RowwiseParallel(input_layouts=_one(s.input_layouts),
+                           output_layouts=_one(s.output_layouts),
+                           use_local_output=s.use_local_output)
+
+
+def _torch_sequence(s, where):
+    layout = _one(s.sequence_sharding)
+    if not isinstance(layout, Shard):
+        raise ValueError(f"{where}: PyTorch's SequenceParallel with sequence_sharding="
+                         f"{s.sequence_sharding!r}: valid is (Shard(d),), d the sequence dim")
+    return SequenceParallel(sequence_dim=layout.dim, use_local_output=s.use_local_output)
+
+
+def _torch_input(s, where):
+    return PrepareModuleInput(input_layouts=s.input_layouts,
+                              desired_input_layouts=s.desired_input_layouts,
+                              input_kwarg_layouts=s.input_kwarg_layouts or None,
+                              desired_input_kwarg_layouts=s.desired_input_kwarg_layouts or None,
+                              use_local_output=s.use_local_output)
+
+
+def _torch_output(s, where):
+    return PrepareModuleOutput(output_layouts=s.output_layouts,
+                               desired_output_layouts=s.desired_output_layouts,
+                               use_local_output=s.use_local_output)
+
+
+# PyTorch's class -> (ours from it, the attributes it may carry, each attribute that has only
+# one value we carry out -> (that value, why)). `src_data_rank` (which rank's full weight is split)
+# may take any value: every rank here splits its own, and the ranks are checked to agree.
+# RowwiseParallel's desired_input_layouts is set by PyTorch itself from the module's kind.
+_FROM_TORCH = {
+    torch_tp.ColwiseParallel: (_torch_colwise, {"input_layouts", "output_layouts",
+                                                "desired_input_layouts", "use_local_output"},
+                               {"desired_input_layouts": (
+                                   (Replicate(),), "the column GEMM takes the whole input; "
+                                                   "input_layouts says how it arrives")}),
+    torch_tp.RowwiseParallel: (_torch_rowwise, {"input_layouts", "output_layouts",
+                                                "desired_input_layouts", "use_local_output"}, {}),
+    torch_tp.SequenceParallel: (_torch_sequence, {"sequence_sharding", "use_local_output"}, {}),
+    torch_tp.PrepareModuleInput: (_torch_input, {"input_layouts", "desired_input_layouts",
+                                                 "input_kwarg_layouts", "with_kwargs",
+                                                 "desired_input_kwarg_layouts",
+                                                 "use_local_output"}, {}),
+    torch_tp.PrepareModuleOutput: (_torch_output, {"output_layouts", "desired_output_layouts",
+                                                   "use_local_output"}, {}),
+}
+
+
+def is_style(value):
+    """Whether `value` is a style, ours or PyTorch's (a plan may be one style, for the module
+    it is given with)."""
+    return isinstance(value, STYLES + (torch_tp.ParallelStyle,))
+
+
+def translate_style(style, where):
+    """The style of ours that carries out `style`: one of ours as it is; PyTorch's own
+    (`torch.distributed.tensor.parallel.ColwiseParallel(...)` etc.) as ours of the same name
+    with the same arguments, read from its attributes. Anything else, or an attribute of
+    PyTorch's that we would not carry out, is refused in one line naming it (`where`: the plan
+    entry)."""
+    if isinstance(style, STYLES):
+        return style
+    cls = type(style)
+    valid = ", ".join(s.__name__ for s in STYLES)
+    if cls not in _FROM_TORCH:
+        kind = ("a PyTorch style this package does not carry out"
+                if isinstance(style, torch_tp.ParallelStyle) else "not a style")
+        raise ValueError(f"{where} is a {cls.__module__}.{cls.__name__} ({kind}): valid are "
+                         f"{valid}, ours or torch.distributed.tensor.parallel's")
+    ours, known, only = _FROM_TORCH[cls]
+    for attr, value in vars(style).items():
+        if attr == "src_data_rank":
+            continue
+        if attr not in known:
+            raise ValueError(f"{where}: PyTorch's {cls.__name__} carries {attr}={value!r}, "
+                             f"which this package does not carry out; valid are "
+                             f"{', '.join(sorted(known))}")
+        if attr in only and value != only[attr][0]:
+            raise ValueError(f"{where}: PyTorch's {cls.__name__} with {attr}={value!r}: valid "
+                             f"is {only[attr][0]!r} ({only[attr][1]})")
+    return ours(style, where)
 
 
 def layout_or(value, default):

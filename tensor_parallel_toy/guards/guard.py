@@ -158,8 +158,8 @@ def _attach_batch_check(model, tp_group, check_ids, same_batch):
             if isinstance(module, Transformer):
                 check_batch(module, *args, check_ids=check_ids, same_batch=same_batch,
                             **kwargs)
-            else:
-                agree_on_batch(_integer_tensors(args, kwargs, names), tp_group, same_batch)
+            elif batch := _integer_tensors(args, kwargs, names):  # a float input: a block
+                agree_on_batch(batch, tp_group, same_batch)
         except BaseException:
             _INSIDE_GUARDED_FORWARD.reset(entered.pop())
             raise

@@ -199,13 +199,12 @@ def _on_rank_refusals():
             model(*ex.batch_of(0, seq=seq))
         return run
 
-    from torch.distributed.tensor import parallel as torch_tp
     cases = {
         "missing": split({"transformer.ln_f": None}),
         "misspelt": split({"transformer.h.*.atn.c_proj": RowwiseParallel()}),
         "odd sequence": split({}, seq=7),
         "dropout": split({"transformer.h.*.mlp.dropout": None}, dropout=0.1),
-        "torch style": split({"transformer.ln_f": torch_tp.SequenceParallel()}),
+        "not a style": split({"transformer.ln_f": "SequenceParallel"}),
         "tie split once": split({"lm_head": NoParallel()}),
         "whole over split": split({"transformer.h.*.mlp": SequenceParallel()}),
         "other weights": lambda: parallelize_module(
@@ -224,7 +223,8 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
         "odd sequence": ["'transformer.wte'", "dim 1 of input shape [2, 7]", "7 positions",
                          "TP size 2", "pad it to 8", "refused, not padded"],
         "dropout": ["'transformer.h.0.mlp.dropout'", "SequenceParallel"],
-        "torch style": ["torch.distributed.tensor.parallel", "tensor_parallel_toy.apply"],
+        "not a style": ["plan['transformer.ln_f']", "builtins.str", "not a style",
+                        "valid are ColwiseParallel"],
         "tie split once": ["lm_head.weight", "tied"],
         "whole over split": ["'transformer.h.0.mlp'", "'transformer.h.0.mlp.c_fc'"],
         "other weights": ["built different models or plans", "sum:transformer.wte.weight"],
