@@ -46,11 +46,15 @@ dim holds the sequence, split over the ranks). What each does here, p = TP size:
 
 Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
 Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and
-made contiguous, as nn.Linear's would be. Dropout under SP: the masks are exactly one device's
-(every rank holds the same generator state and draws the full mask), so a TP run with dropout
-equals one device's run from the same seed; drawing p times the random numbers a rank needs is
-the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
-regions: cheaper, different masks per rank too, but no longer one device's run.)
+made contiguous, as nn.Linear's would be. Dropout: a SequenceParallel entry draws exactly one
+device's masks (every rank holds the same generator state and draws the full mask), so a TP run
+with such dropouts equals one device's run from the same seed; drawing p times the random
+numbers a rank needs is the price of that. Between a column layer whose output stays split and
+its row layer (the TP region) the default generators draw from a stream of this rank's own
+(random.py, Megatron's RNG tracker): a dropout there marked NoParallel(), or one inside a
+function (`F.scaled_dot_product_attention(dropout_p=...)`), masks each rank's heads differently,
+cheaply, but no longer as one device would. An nn.Dropout still needs an entry: which region
+it runs in is not visible from the plan.
 
 Refused in one line, before any collective: a key matching no module, a module matched twice,
 a style on a module it cannot split, sizes p does not divide, a parameter no entry covers (it
@@ -72,6 +76,7 @@ from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
 from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
+from .random import attach_random_stream
 from .styles import (STYLES, ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, layout_or,
                      layout_pairs, prepare_hook, sequence_dim)
@@ -192,9 +197,11 @@ def _check_covered(module, matched):
 def _check_dropouts(module, matched):
     for name, mod in module.named_modules():
         if isinstance(mod, nn.Dropout) and mod.p > 0 and name not in matched:
-            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: every rank "
-                             f"would draw the same mask for different rows; give it "
-                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks")
+            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: give it "
+                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks "
+                             f"(one device's mask), or NoParallel() if it acts between a split "
+                             f"column layer and its row layer (this rank's own random stream) or "
+                             f"on the same data on every rank")
 
 
 def resolve_plan(module, plan, p):
@@ -300,12 +307,15 @@ def _check_ties(module, matched):
                                  f"{name!r} is not split the same way; plan it too")
 
 
-def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicated_grads=None):
+def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicated_grads=None,
+                       tp_seed=None):
     """Carry out `plan` ({module name pattern: style}) on `module`, in place, over `tp_group`;
     returns `module`. Every rank must hold the same full weights beforehand (same seed or
     checkpoint): each keeps its shards of them. `overlap=True`: the sequence-parallel layers
     use the ring (parallel_linear.py). `check_replicated_grads` ("first" or N; None: off)
     checks after backward that every parameter kept whole has the same gradient on every rank.
+    `tp_seed` (re)seeds the TP region's random stream (random.py; None: torch.initial_seed()
+    when the group's stream is first made), `module.tp_random` after the call.
 
     Everything is checked before any communication (see the module docstring); then the ranks
     compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
@@ -329,6 +339,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicate
                 _copy_shards(mod, new, tp_group, shared)
             _set_module(module, name, new)
     record_layouts(module)
+    module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     module.replicated_grads_watch = watch_replicated_gradients(module, tp_group,
                                                                check_replicated_grads)
     return module
