@@ -337,7 +337,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_replicate
         if new is not mod:
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 _copy_shards(mod, new, tp_group, shared)
-            _set_module(module, name, new)
+            _set_module(module, name, new.train(mod.training))  # eval stays eval
     record_layouts(module)
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     module.replicated_grads_watch = watch_replicated_gradients(module, tp_group,

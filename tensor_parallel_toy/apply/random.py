@@ -77,6 +77,17 @@ class TensorParallelRandom:
         self.seed, self.states = seed, {}
         return self
 
+    def fresh_state(self, device):
+        """The stream's state on `device` before any draw (a generator of its own: seeding it
+        draws nothing from the default one)."""
+        return torch.Generator(device=device).manual_seed(
+            self.seed + TP_SEED_OFFSET + self.rank).get_state()
+
+    def drew(self, since):
+        """Whether the stream drew since `since` (a copy of `states` taken then)."""
+        return any(not torch.equal(state, since[name] if name in since else
+                                   self.fresh_state(name)) for name, state in self.states.items())
+
     def enter(self, device):
         """The default generators of `device` (and the CPU's) draw this rank's stream from now."""
         if self.inside:
@@ -84,10 +95,8 @@ class TensorParallelRandom:
         generators = default_generators(device)
         self.normal, self.device = {}, device
         for name, gen in generators.items():
-            if name not in self.states:  # a fresh generator: seeding it draws nothing elsewhere
-                fresh = torch.Generator(device=name).manual_seed(
-                    self.seed + TP_SEED_OFFSET + self.rank)
-                self.states[name] = fresh.get_state()
+            if name not in self.states:
+                self.states[name] = self.fresh_state(name)
             self.normal[name] = gen.get_state()
             gen.set_state(self.states[name])
 
