@@ -49,7 +49,8 @@ def default_generators(device):
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return {"cpu": torch.default_generator, f"cuda:{index}": torch.cuda.default_generators[index]}
+        return {"cpu": torch.default_generator,
+                f"cuda:{index}": torch.cuda.default_generators[index]}
     return {"cpu": torch.default_generator}
 
 
