@@ -11,8 +11,12 @@ sequence) come first, before any collective.
     PlannedRow        RowParallelLinear: GEMM + reduce-scatter(seq), or GEMM + `g`
     PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq), or lookup + `g`
     SequenceParallelDropout   one device's mask, this rank's slice of it
+The TP region (a split column output until the row layer) draws from this rank's own random
+stream (random.py): the column layer enters it, the row layer leaves it.
     gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
 """
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,7 +45,10 @@ def to_sequence_first(x, dim, p, where, whole=False):
 
 
 class PlannedColumn(ColumnParallelLinear):
-    """ColumnParallelLinear that reads and writes the user's layout (see ColwiseParallel)."""
+    """ColumnParallelLinear that reads and writes the user's layout (see ColwiseParallel). With
+    its output split, what follows draws from this rank's stream (random.py) until a row layer."""
+
+    random_stream = None  # random.TensorParallelRandom, given by parallelize_module
 
     def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
                  split_dim, where):
@@ -57,11 +64,18 @@ class PlannedColumn(ColumnParallelLinear):
         else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
             x = to_sequence_first(x, self.input_dim, self.tp_size, self.where)
             y = super().forward(x).transpose(0, self.input_dim).contiguous()
-        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_tensor_parallel_region(y, self.tp_group)
+        if self.random_stream is not None:  # the TP region: its draws are this rank's own
+            self.random_stream.enter(y.device)
+        return y
 
 
 class PlannedRow(RowParallelLinear):
-    """RowParallelLinear that reads and writes the user's layout (see RowwiseParallel)."""
+    """RowParallelLinear that reads and writes the user's layout (see RowwiseParallel); the TP
+    region ends at its input: back to the random stream every rank shares."""
+
+    random_stream = None
 
     def __init__(self, linear, tp_group, overlap, output_dim, where):
         super().__init__(linear.in_features, linear.out_features, tp_group=tp_group,
@@ -70,6 +84,8 @@ class PlannedRow(RowParallelLinear):
         self.output_dim, self.where = output_dim, where
 
     def forward(self, x):
+        if self.random_stream is not None:
+            self.random_stream.leave()
         if self.output_dim is None:  # `g`: every rank gets the whole sum, then the bias once
             y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
             return y if self.bias is None else y + self.bias
@@ -101,7 +117,10 @@ class PlannedEmbedding(VocabParallelEmbedding):
 class SequenceParallelDropout(nn.Module):
     """Dropout on this rank's slice (along `dim`) of a tensor p times as long there, with the
     mask one device would draw for the whole tensor: every rank draws it (same generator state)
-    and keeps its slice, so ranks mask different rows differently and equal one device."""
+    and keeps its slice, so ranks mask different rows differently and equal one device. Inside
+    the TP region too (`dim` the heads): it draws from the stream every rank shares."""
+
+    random_stream = None
 
     def __init__(self, p, dim, tp_group):
         super().__init__()
@@ -113,7 +132,8 @@ class SequenceParallelDropout(nn.Module):
         n = group_size(self.tp_group)
         full = list(x.shape)
         full[self.dim] *= n
-        mask = F.dropout(x.new_ones(full), self.p, training=True)  # 0 or 1/(1-p), one device's
+        with self.random_stream.normal_stream() if self.random_stream else nullcontext():
+            mask = F.dropout(x.new_ones(full), self.p, training=True)  # 0 or 1/(1-p), one device's
         return x * mask.chunk(n, dim=self.dim)[group_rank(self.tp_group)]
 
     def extra_repr(self):

@@ -63,11 +63,15 @@ What each style does here, p = TP size:
 
 Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
 Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and
-made contiguous, as nn.Linear's would be. Dropout under SP: the masks are exactly one device's
-(every rank holds the same generator state and draws the full mask), so a TP run with dropout
-equals one device's run from the same seed; drawing p times the random numbers a rank needs is
-the price of that. (Megatron's RNG tracker instead seeds each TP rank differently inside these
-regions: cheaper, different masks per rank too, but no longer one device's run.)
+made contiguous, as nn.Linear's would be. Dropout: a SequenceParallel entry draws exactly one
+device's masks (every rank holds the same generator state and draws the full mask), so a TP run
+with such dropouts equals one device's run from the same seed; drawing p times the random
+numbers a rank needs is the price of that. Between a column layer whose output stays split and
+its row layer (the TP region) the default generators draw from a stream of this rank's own
+(random.py, Megatron's RNG tracker): a dropout there marked NoParallel(), or one inside a
+function (`F.scaled_dot_product_attention(dropout_p=...)`), masks each rank's heads differently,
+cheaply, but no longer as one device would. An nn.Dropout still needs an entry: which region
+it runs in is not visible from the plan.
 
 Outputs are plain tensors, this rank's part: ColwiseParallel / RowwiseParallel take only
 use_local_output=True (code written for PyTorch's DTensor output reads global shapes, e.g. a
@@ -105,6 +109,7 @@ from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
 from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
+from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
                      layout_or, layout_pairs, prepare_hook, sequence_dim, translate_style)
@@ -226,9 +231,11 @@ def _check_covered(module, matched):
 def _check_dropouts(module, matched):
     for name, mod in module.named_modules():
         if isinstance(mod, nn.Dropout) and mod.p > 0 and name not in matched:
-            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: every rank "
-                             f"would draw the same mask for different rows; give it "
-                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks")
+            raise ValueError(f"nn.Dropout at {name!r} (p={mod.p}) has no plan entry: give it "
+                             f"SequenceParallel(sequence_dim=d), d the dim split over the ranks "
+                             f"(one device's mask), or NoParallel() if it acts between a split "
+                             f"column layer and its row layer (this rank's own random stream) or "
+                             f"on the same data on every rank")
 
 
 def _plan_dict(plan):
@@ -381,7 +388,7 @@ def _copy_shards(old, new, group):
 
 
 def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
-                       same_batch="check", check_replicated_grads="first"):
+                       same_batch="check", check_replicated_grads="first", tp_seed=None):
     """Carry out `plan` on `module`, in place, over `tp_group`; returns `module`, guarded.
 
     `plan`: {module name pattern: style}, or one style for `module` itself (an nn.Linear given
@@ -396,6 +403,8 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     (parallel_linear.py). It ends with `guard(module, tp_group, ...)` (guards/guard.py), with
     these three options: the ranks fed the same batch, ids in range, every parameter kept
     whole with the same gradient on every rank after the first backward.
+    `tp_seed` (re)seeds the TP region's random stream (random.py; None: torch.initial_seed()
+    when the group's stream is first made), `module.tp_random` after the call.
 
     Everything is checked before any communication (see the module docstring); then the ranks
     compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
@@ -424,6 +433,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
                 new = mod
         new.plan_style = style
     record_layouts(module)
+    module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     _check_at_first_forward(module)  # local, so before the guard's batch comparison
     return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
                  check_replicated_grads=check_replicated_grads)
