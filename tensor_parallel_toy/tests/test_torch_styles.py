@@ -180,3 +180,73 @@ def test_what_is_not_carried_out_is_refused_in_one_line_on_every_rank(pools):
         assert set(messages) == set(words), messages
         for key, message in messages.items():
             assert_one_line(message, words[key], f"rank {rank}, {key}")
+
+
+# ----------------------------------------------------------------------------------------------
+# What one device refuses, or what would be a silently wrong number, raises on every rank
+# ----------------------------------------------------------------------------------------------
+def _on_rank_silent_results():
+    """PyTorch's model split by PyTorch's plan (SP), as a user would: each case would return a
+    number without the guards (a loss with the bad ids embedded as zeros, a loss of no batch,
+    a norm trained on partial gradients); each must raise on every rank instead."""
+    group, rank = dist.group.WORLD, dist.get_rank()
+
+    def planned(sp_norms=True):
+        torch.manual_seed(0)
+        model = _parallelize(Transformer(ARGS), group, True)
+        if not sp_norms:  # the norms see sequence shards; NoParallel says they see all of it
+            torch.manual_seed(0)
+            model = Transformer(ARGS)
+            norms = {"norm": NoParallel()}
+            parallelize_module(model, group, {
+                "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Shard(1)),
+                "pos_embeddings": tp.RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Shard(0)), **norms})
+            for layer in model.layers:
+                parallelize_module(layer, group, {
+                    "attention": tp.PrepareModuleInput(input_layouts=Shard(1),
+                                                       desired_input_layouts=Replicate()),
+                    "attention_norm": NoParallel(), "ffn_norm": NoParallel(),
+                    "attention.wq": tp.ColwiseParallel(), "attention.wk": tp.ColwiseParallel(),
+                    "attention.wv": tp.ColwiseParallel(),
+                    "attention.wo": tp.RowwiseParallel(output_layouts=Shard(1)),
+                    "feed_forward.w1": tp.ColwiseParallel(input_layouts=Shard(1)),
+                    "feed_forward.w2": tp.RowwiseParallel(output_layouts=Shard(1))})
+                layer.attention.n_heads = ARGS.n_heads // 2
+            parallelize_module(model.output, group, tp.ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Replicate()))
+            model.output.weight = model.tok_embeddings.weight
+        return model
+
+    ids, labels = _batch()
+    bad = ids.clone()
+    bad[1, 3] = ARGS.vocab_size
+    negative = ids.clone()
+    negative[0, 0] = -1
+    other = _batch(seed=1)[0] if rank == 1 else ids
+    return value_error_messages({
+        "id = vocabulary size": lambda: _loss(planned(), (bad, labels)),
+        "id = -1": lambda: _loss(planned(), (negative, labels)),
+        "batches differ": lambda: _loss(planned(), (other, labels)),
+        "norm on sequence shards kept whole": lambda: _loss(planned(sp_norms=False),
+                                                            (ids, labels)).backward(),
+    })
+
+
+def test_the_silent_results_of_a_planned_model_raise_on_every_rank(pools):
+    """One device raises IndexError on an id outside the vocabulary; a split vocabulary would
+    embed it as zeros. Ranks fed different batches would each return a loss of no batch. A norm
+    marked NoParallel that sees sequence shards would train on partial gradients (caught at the
+    first backward, by default). Each fails without `guard`, which parallelize_module ends with."""
+    words = {
+        "id = vocabulary size": [f"token id {ARGS.vocab_size} is out of range",
+                                 f"0..{ARGS.vocab_size - 1}"],
+        "id = -1": ["token id -1 is out of range"],
+        "batches differ": ["different tokens", "on rank 0", "on rank 1"],
+        "norm on sequence shards kept whole": ["replicated parameter", "norm.weight",
+                                               "different gradients"],
+    }
+    for rank, messages in enumerate(pools(2).run(_on_rank_silent_results)):
+        for key, message in messages.items():
+            assert_one_line(message, words[key], f"rank {rank}, {key}")
