@@ -37,17 +37,17 @@ def check_loss_options(label_smoothing, reduction):
         raise ValueError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0")
 
 
-def check_batch(model, input_ids, labels=None, *, ignore_index=-100, label_smoothing=0.0,
-                reduction="mean", check_ids=None, same_batch="check"):
+def check_batch(model, tp_group, input_ids, labels=None, *, ignore_index=-100,
+                label_smoothing=0.0, reduction="mean", check_ids=None, same_batch="check"):
     """Refuse, in one line on every rank, whatever is wrong with a call of the package's
     `Transformer`: input_ids `[b, s]`, s from 1 to max_seq_len, ids and labels (`[b, s]`, or
     ignore_index) in the vocabulary (when `check_ids` says so), the loss options; the ranks of
-    `model.tp_group` made to hold the same batch as `same_batch` says."""
+    `tp_group` made to hold the same batch as `same_batch` says."""
     if labels is not None:
         check_loss_options(label_smoothing, reduction)
     batch = {"input_ids": input_ids} if labels is None else {"input_ids": input_ids,
                                                              "labels": labels}
-    agree_on_batch(batch, model.tp_group, same_batch)  # first: then all ranks agree
+    agree_on_batch(batch, tp_group, same_batch)  # first: then all ranks agree
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids of shape {list(input_ids.shape)}: expected [batch, seq]")
     check_seq_len(input_ids.shape[1], model.config.max_seq_len)

@@ -38,6 +38,7 @@ import inspect
 import zlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..comm import group_size
 from ..config import check_overlap_option
@@ -97,7 +98,8 @@ def _fingerprint(model, tp_group, options):
         split = getattr(param, "tensor_parallel_rows", None)
         if split is not None:  # ranks may hold the same shape's other rows
             fields[f"split:{name}"] = zlib.crc32(split.rows.numpy().tobytes())
-        if getattr(param, "tensor_parallel_dim", None) is None:  # the same on every rank
+        if getattr(param, "tensor_parallel_dim", None) is None and \
+                not isinstance(param, DTensor):  # the same on every rank (DTensor: its own)
             fields[f"sum:{name}"] = repr(param.detach().double().sum().item())
     return module_fingerprint(model, **fields)
 
@@ -128,9 +130,10 @@ def guard(model, tp_group=None, *, check_ids=None, same_batch="check",
     check_ranks_agree(_fingerprint(model, tp_group, options), tp_group,
                       f"{type(model).__name__}s")  # one tiny all-gather
     model.guards.handles += _attach_batch_check(model, tp_group, check_ids, same_batch)
-    # The package's Transformer checks its ids with the rest of its batch (batch.py).
+    # The package's Transformer checks its ids with the rest of its batch (batch.py). Any other
+    # model: each embedding, split by us (VocabParallelEmbedding), by DTensor or not at all.
     for module in ([] if isinstance(model, Transformer) else model.modules()):
-        if isinstance(module, VocabParallelEmbedding):
+        if isinstance(module, (VocabParallelEmbedding, torch.nn.Embedding)):
             model.guards.handles.append(module.register_forward_pre_hook(
                 _ids_check(module.num_embeddings, check_ids)))
     model.guards.replicated_grads_watch = watch_replicated_gradients(model, tp_group,
@@ -156,8 +159,8 @@ def _attach_batch_check(model, tp_group, check_ids, same_batch):
         entered.append(_INSIDE_GUARDED_FORWARD.set(True))
         try:
             if isinstance(module, Transformer):
-                check_batch(module, *args, check_ids=check_ids, same_batch=same_batch,
-                            **kwargs)
+                check_batch(module, tp_group, *args, check_ids=check_ids,
+                            same_batch=same_batch, **kwargs)
             elif batch := _integer_tensors(args, kwargs, names):  # a float input: a block
                 agree_on_batch(batch, tp_group, same_batch)
         except BaseException:

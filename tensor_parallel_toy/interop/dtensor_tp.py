@@ -44,7 +44,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..guards.agreement import check_ranks_agree, module_fingerprint
 from ..comm import all_reduce_
 from ..config import check_divisible, pad_sequence
-from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
+from ..guards.guard import guard
+from ..guards.replicated_grads import check_every_option
 
 
 def transformer_plan(config):
@@ -97,25 +98,22 @@ def check_transformer_plan(config, tp_size):
                          f"leave the dtensor mode out")
 
 
-def parallelize_transformer(model, tp, device_type="cpu", *, check_replicated_grads=None):
+def parallelize_transformer(model, tp, device_type="cpu", *, check_replicated_grads="first"):
     """Shard a baseline `Transformer` (built with tp_group=None) in place over `tp`: a process
     group, or a 1-D DeviceMesh (the "tp" dimension of a 2-D mesh, for `fully_shard` over its
     "dp" dimension afterwards: see data_parallel.py).
 
     Every rank must pass the same full model (e.g. `Transformer(config, seed=s)`): each keeps
     its own shard of every split weight, so the result starts from the baseline's weights.
-    `check_replicated_grads` ("first" or N; None: off) watches the replicated gradients
-    (replicated_grads.py).
+    Ends with `guard(model, group, check_replicated_grads=...)` (guards/guard.py), as every
+    door into the package does: ranks agree on the model and each batch, ids in range, the
+    replicated gradients compared ("first", the default, or N; None: off).
     """
     mesh = tp if isinstance(tp, DeviceMesh) else DeviceMesh.from_group(tp, device_type)
     check_transformer_plan(model.config, mesh.size())
     check_every_option(check_replicated_grads)
-    check_ranks_agree({"check_replicated_grads": check_replicated_grads}, mesh.get_group(),
-                      "parallelize_transformer calls")
     model = parallelize_module(model, mesh, transformer_plan(model.config))
-    model.replicated_grads_watch = watch_replicated_gradients(model, mesh.get_group(),
-                                                              check_replicated_grads)
-    return model
+    return guard(model, mesh.get_group(), check_replicated_grads=check_replicated_grads)
 
 
 def transformer_loss(model, input_ids, labels):
@@ -300,7 +298,7 @@ def check_plan_covers(model, plan):
                 f"SequenceParallel entry, or use a supported model")
 
 
-def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads=None):
+def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads="first"):
     """Shard a Hugging Face Llama / Mistral / Qwen2 / Qwen3 `...ForCausalLM` in place over the
     1-D `tp_mesh` with PyTorch's tensor + sequence parallel styles (plan above). Every rank
     must pass the same full model (the ranks compare its parameter shapes and dtypes, and the
@@ -309,21 +307,19 @@ def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads=None):
 
     Refused in one line before any collective: another model type, tied embeddings, sizes the
     TP size does not divide, and a module holding parameters the plan does not cover.
-    `check_replicated_grads` ("first" or N; None: off) checks after backward that every
-    replicated gradient that is not a DTensor `Partial` is the same on every rank
-    (replicated_grads.py)."""
+    It ends with `guard(hf_model, group, check_replicated_grads=...)` (guards/guard.py): the
+    ranks agree on the model and each batch, ids in range, and after the first backward
+    ("first", the default, or N; None: off) every replicated gradient that is not a DTensor
+    `Partial` is the same on every rank (replicated_grads.py)."""
     check_hf_plan(hf_model.config, tp_mesh.size())
     plan = hf_plan(hf_model.config)
     check_plan_covers(hf_model, plan)
     check_every_option(check_replicated_grads)
     group = tp_mesh.get_group()
-    check_ranks_agree(module_fingerprint(hf_model, model_type=hf_model.config.model_type,
-                                         check_replicated_grads=check_replicated_grads),
-                      group, "Hugging Face models")
+    check_ranks_agree(module_fingerprint(hf_model, model_type=hf_model.config.model_type),
+                      group, "Hugging Face models")  # before any collective of the plan
     hf_model = parallelize_module(hf_model, tp_mesh, plan)
-    hf_model.replicated_grads_watch = watch_replicated_gradients(hf_model, group,
-                                                                 check_replicated_grads)
-    return hf_model
+    return guard(hf_model, group, check_replicated_grads=check_replicated_grads)
 
 
 def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):
