@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tensor_parallel_toy import Transformer, from_hf, guard, to_hf
 from tensor_parallel_toy.support.sharding import full_grads, load_full_state_dict
-from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.interop.hf_checkpoint import config_from_hf
 
 from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
-                      import_transformers, max_rel_error, random_batch)
+                      import_transformers, max_rel_error, random_batch, value_error_messages)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -62,13 +62,35 @@ def _hf_reference(family, change):
 def _on_rank_tp_vs_hf(config, state, ids, labels, expected, overlap):
     """Our TP model over WORLD, loaded from the converted Hugging Face weights, against
     Hugging Face's results; gradients compared under Hugging Face's names."""
-    tp = Transformer(config, tp_group=dist.group.WORLD, overlap=overlap, seed=5)
+    tp = guard(Transformer(config, tp_group=dist.group.WORLD, overlap=overlap, seed=5))
     load_full_state_dict(tp, state)
     loss = tp.loss(ids, labels)
     loss.backward()
     got = {"logits": tp(ids), "loss": loss}
     got.update({"grad:" + n: g for n, g in to_hf(config, full_grads(tp)).items()})
     return {k: max_rel_error(got[k], want) for k, want in expected.items()}
+
+
+def _on_rank_hf_door_refusals(config, state, ids, labels):
+    """A checkpoint's door: from_hf's config and weights, the model guarded as users guard it;
+    what one device refuses (an id past the vocabulary) and what would be a number of no batch
+    (rank 1 fed another batch) raise on every rank."""
+    tp = guard(Transformer(config, tp_group=dist.group.WORLD))
+    load_full_state_dict(tp, state)
+    bad = ids.clone()
+    bad[0, 2] = config.vocab_size
+    other = ids.flip(1) if dist.get_rank() == 1 else ids
+    return value_error_messages({"id": lambda: tp.loss(bad, labels),
+                                 "batch": lambda: tp.loss(other, labels)})
+
+
+def test_a_hugging_face_checkpoint_is_guarded_like_every_door(pools):
+    config, state, ids, labels, _ = _hf_reference("llama", {})
+    for rank, messages in enumerate(pools(2).run(_on_rank_hf_door_refusals, config, state, ids,
+                                                 labels)):
+        assert_one_line(messages["id"], [f"token id {config.vocab_size} is out of range"],
+                        f"rank {rank}, id")
+        assert_one_line(messages["batch"], ["different input_ids"], f"rank {rank}, batch")
 
 
 CASES = [("llama", 2, False, {}), ("llama", 2, True, {}), ("llama", 4, False, {}),
