@@ -233,8 +233,8 @@ def all_gather_dim(x, dim, group):
     return torch.cat(parts, dim=dim)
 
 
-class _Pending:
-    """Several posted operations as one handle."""
+class Pending:
+    """Several posted operations (a batch of P2P works) as one handle: `wait()` waits for all."""
 
     def __init__(self, works):
         self.works = works
@@ -251,4 +251,4 @@ def send_recv(send, to, recv, source, group):
     # P2P calls address global ranks: translated here, the ring runs on any subgroup.
     ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group),
            dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, source), group)]
-    return _Pending(dist.batch_isend_irecv(ops))
+    return Pending(dist.batch_isend_irecv(ops))

@@ -17,21 +17,12 @@ import contextlib
 
 import torch.distributed as dist
 
+from ..comm import Pending
+
 # entry point -> (kind, where the tensor whose bytes count is among the positional arguments)
 COLLECTIVES = {"all_gather_single": ("all-gather", 1),
                "reduce_scatter_single": ("reduce-scatter", 1), "all_gather": ("all-gather", 1),
                "all_reduce": ("all-reduce", 0), "broadcast": ("broadcast", 0)}
-
-
-class _AllOf:
-    """The works of one batch_isend_irecv as one handle."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
 
 
 def nbytes(t):
@@ -67,7 +58,7 @@ def _watched_collective(fn, kind, where, recorder):
 
 def _watched_ring_step(fn, recorder):
     def call(ops):
-        handle = recorder.transfer("ring", sent_by_ring_step(ops), lambda: _AllOf(fn(ops)))
+        handle = recorder.transfer("ring", sent_by_ring_step(ops), lambda: Pending(fn(ops)))
         return [handle]
     call.recording = True
     return call
