@@ -15,8 +15,8 @@ reduce-scatter on the way out (backward: all-gather), which the row layer fuses 
 the vocabulary embedding uses alone (here). The P2P ring of the overlapped layers is ring.py.
 
 Every function takes its group explicitly; a group of one rank returns early, so the same code
-runs at TP size 1. Every tensor a collective creates lives on `group_device(group)`, the one
-device NCCL accepts.
+runs at TP size 1. Every tensor a collective creates is made from its input, so it lives
+where the input does: the layers' tensors on this rank's GPU under NCCL, on the CPU under gloo.
 """
 import torch
 import torch.distributed as dist
@@ -179,16 +179,6 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
-
-
-def group_device(group=None):
-    """Where a tensor must live to travel over `group` (None: the default group): this rank's
-    GPU under NCCL (the one `torch.cuda.set_device` chose), else the CPU. A group initialised
-    with "nccl" has no CPU backend: a CPU tensor fails there ("No backend type associated with
-    device type cpu")."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def all_gather_seq(x_local, group, async_op=False):

@@ -143,13 +143,14 @@ class ModelConfig:
                 f"valid TP sizes for it: {valid}")
 
 
-def check_overlap_option(overlap) -> None:
-    """overlap: False (whole collectives), True (the ring) or m >= 1 (the ring, each chunk cut
-    into m pieces); anything else is refused in one line."""
-    if isinstance(overlap, bool) or (isinstance(overlap, int) and overlap >= 1):
-        return
-    raise ValueError(f"overlap={overlap!r}: valid are False (whole collectives), True (the "
-                     f"ring) or a number of ring pieces m >= 1")
+def check_overlap_option(overlap, ring_pieces=1) -> None:
+    """overlap: False (whole collectives) or True (the ring); ring_pieces: the ring's transfers
+    per chunk, m >= 1. Anything else is refused in one line."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap={overlap!r}: valid are False (whole collectives) and True "
+                         f"(the ring); a number of ring pieces is ring_pieces=")
+    if isinstance(ring_pieces, bool) or not isinstance(ring_pieces, int) or ring_pieces < 1:
+        raise ValueError(f"ring_pieces={ring_pieces!r}: valid is a number of ring pieces m >= 1")
 
 
 def check_divisible(name: str, value: int, tp_size: int, why: str = "") -> None:

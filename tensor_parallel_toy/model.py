@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
-from .parallel_linear import (RowSplit, column_parallel_or_plain, full_shape,
-                              row_parallel_or_plain, shard)
+from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, RowSplit,
+                              column_parallel_or_plain, full_shape, row_parallel_or_plain, shard)
 from .rotary import apply_rotary, rotary_tables
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -224,13 +224,14 @@ class Transformer(nn.Module):
     collective; replicated gradients compared at the first backward).
     """
 
-    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, seed=0):
+    def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, ring_pieces=1,
+                 seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any layer is built
-        # Equal sequence chunks, one per rank (and with overlap=m, m equal ring pieces each):
+        # Equal sequence chunks, one per rank (with overlap, ring_pieces equal pieces each):
         # shorter sequences are padded to a multiple of this.
-        self.seq_multiple = self.tp_size * (int(overlap) if overlap else 1)
+        self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1)
         self.config, self.tp_group, self.overlap, self.seed = config, tp_group, overlap, seed
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -251,6 +252,9 @@ class Transformer(nn.Module):
                                  config.head_dim, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        for layer in self.modules():  # the ring's transfers per chunk (ring.py)
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.ring_pieces = ring_pieces
         self.reset_parameters(seed)
 
     # -- forward ---------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders, group_rank, group_size,
                    reduce_scatter_seq)
 from .config import check_divisible
-from .ring import Ring, WeightGradAccumulator, ring_all_gather, ring_reduce_scatter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,14 +116,6 @@ def flat(t):
     return t.reshape(-1, t.shape[-1])
 
 
-def linear_into(out, x, weight, bias):
-    """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
-    if bias is None:
-        torch.mm(flat(x), weight.t(), out=flat(out))
-    else:
-        torch.addmm(bias, flat(x), weight.t(), out=flat(out))
-
-
 def bias_grad(dy):
     """The gradient of a bias added to each of dy's rows: their sum."""
     return flat(dy).sum(dim=0)
@@ -168,52 +159,16 @@ class _AllGatherGemm(torch.autograd.Function):
         return dx_local, dw, db, None
 
 
-class _RingAllGatherGemm(torch.autograd.Function):
-    """Overlapped all-gather + GEMM: GEMM on chunk k while chunk k+1 travels the ring.
-
-    forward:  ring all-gather of X_r, each arriving chunk c goes straight into
-              Y[c*s/p:(c+1)*s/p] = X_c W_r^T (no gathered X is ever materialized).
-    backward: 1) ring all-gather of X_r again, dW_r += dY_c^T X_c for each chunk as it arrives;
-              2) ring reduce-scatter of dX, computing dX_c = dY_c W_r just before it is sent.
-    """
-
-    @staticmethod
-    def forward(ctx, x_local, weight, bias, group, pieces):
-        ring = Ring(group, pieces)
-        rows = ring.block_rows(x_local.shape[0])  # of one block (a piece of a chunk)
-        y = x_local.new_empty((x_local.shape[0] * ring.size, *x_local.shape[1:-1],
-                               weight.shape[0]))
-        ring_all_gather(x_local,
-                        lambda i, x_i: linear_into(y[i * rows:(i + 1) * rows], x_i, weight, bias), ring)
-        ctx.save_for_backward(x_local, weight)
-        ctx.group, ctx.pieces, ctx.has_bias = group, pieces, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_local, weight = ctx.saved_tensors
-        ring = Ring(ctx.group, ctx.pieces)
-        dy = dy.contiguous()
-        rows = ring.block_rows(x_local.shape[0])
-        dy_block = lambda i: dy[i * rows:(i + 1) * rows]  # noqa: E731
-
-        dw = WeightGradAccumulator(weight)
-        ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
-        dx_local = ring_reduce_scatter(lambda i: dy_block(i).matmul(weight), ring)
-        db = bias_grad(dy) if ctx.has_bias else None
-        return dx_local, dw.result(), db, None, None
-
-
 # ----------------------------------------------------------------------------------------------
 # Row parallel: GEMM + reduce-scatter
 # ----------------------------------------------------------------------------------------------
-def _reduced_bias_grad(dy_local, group):
+def reduced_bias_grad(dy_local, group):
     """The bias is added after the reduce-scatter, to this rank's s/p rows only, so each rank's
     bias gradient covers its own rows: sum them over the group to get the full gradient."""
     return all_reduce_(bias_grad(dy_local), group)
 
 
-def _finish_row_forward(ctx, y_local, x, weight, bias, group):
+def finish_row_forward(ctx, y_local, x, weight, bias, group):
     """The tail both row forwards share: add the replicated bias to this rank's rows (once,
     after the sum), and keep what backward needs."""
     if bias is not None:
@@ -230,7 +185,7 @@ class _GemmReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         y_partial = F.linear(x, weight)  # [s, b, out], a partial sum over the in/p slices
         y_local, _ = reduce_scatter_seq(y_partial, group)  # [s/p, b, out]
-        return _finish_row_forward(ctx, y_local, x, weight, bias, group)
+        return finish_row_forward(ctx, y_local, x, weight, bias, group)
 
     @staticmethod
     def backward(ctx, dy_local):
@@ -238,71 +193,37 @@ class _GemmReduceScatter(torch.autograd.Function):
         dy, _ = all_gather_seq(dy_local.contiguous(), ctx.group)  # [s, b, out]
         dx = dy.matmul(weight)  # [s, b, in/p]
         dw = flat(dy).t().mm(flat(x))  # [out, in/p]
-        db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        db = reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
         return dx, dw, db, None
-
-
-class _GemmRingReduceScatter(torch.autograd.Function):
-    """Overlapped GEMM + reduce-scatter: chunk c's partial GEMM runs while the running sum of
-    the previous chunk travels the ring.
-
-    forward:  Y_r = sum over ranks q of X_q[chunk r] W_q^T, via ring_reduce_scatter.
-    backward: ring all-gather of dY_r; for each arriving chunk c:
-              dX[c] = dY_c W_r (into its slice) and dW_r += dY_c^T X[c].
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, pieces):
-        ring = Ring(group, pieces)
-        rows = ring.block_rows(x.shape[0] // ring.size)
-        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * rows:(i + 1) * rows], weight), ring)
-        ctx.pieces = pieces
-        return _finish_row_forward(ctx, y_local, x, weight, bias, group)
-
-    @staticmethod
-    def backward(ctx, dy_local):
-        x, weight = ctx.saved_tensors
-        ring = Ring(ctx.group, ctx.pieces)
-        rows = ring.block_rows(dy_local.shape[0])
-        # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
-        # whose row slices are views (a reshape of a strided slice would be a copy).
-        dx = x.new_empty(x.shape)
-        dw = WeightGradAccumulator(weight)
-
-        def consume(i, dy_i):
-            torch.mm(flat(dy_i), weight, out=flat(dx[i * rows:(i + 1) * rows]))
-            dw.add(dy_i, x[i * rows:(i + 1) * rows])
-
-        ring_all_gather(dy_local, consume, ring)
-        db = _reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
-        return dx, dw.result(), db, None, None
 
 
 # ----------------------------------------------------------------------------------------------
 # The two operations as functions, and the Modules that hold their weight shards
 # ----------------------------------------------------------------------------------------------
-def column_parallel_linear(x, weight, bias, group, overlap=False):
+def column_parallel_linear(x, weight, bias, group, overlap=False, ring_pieces=1):
     """All-gather the sequence, then `x W^T + b` with this rank's rows of W.
 
     x `[s/p, b, in]` (this rank's sequence rows), weight `[out/p, in]`, bias `[out/p]` or None
     -> `[s, b, out/p]`. Backward: dX reduce-scattered back to `[s/p, b, in]`. `overlap=True`
-    runs the ring version, `overlap=m` the ring with each chunk cut into m pieces (ring.py). A
-    group of one rank (or None) is a plain `F.linear`.
+    runs the ring version (ring.py), each chunk cut into `ring_pieces` transfers. A group of
+    one rank (or None) is a plain `F.linear`.
     """
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     if not overlap:
         return _AllGatherGemm.apply(x, weight, bias, group)
-    return _RingAllGatherGemm.apply(x, weight, bias, group, int(overlap))
+    from .ring import RingAllGatherGemm  # the overlap, read last: a client of these layers
+    return RingAllGatherGemm.apply(x, weight, bias, group, ring_pieces)
 
 
-def row_parallel_linear(x, weight, bias, group, overlap=False):
+def row_parallel_linear(x, weight, bias, group, overlap=False, ring_pieces=1):
     """`x W^T` with this rank's columns of W, reduce-scattered along the sequence, plus b.
 
     x `[s, b, in/p]` (this rank's features), weight `[out, in/p]`, bias `[out]` (replicated)
     or None -> `[s/p, b, out]`, this rank's rows of the sum over ranks. Backward: dY is
-    all-gathered along the sequence. s must be a multiple of the group size. `overlap`: as in
-    `column_parallel_linear`. A group of one rank (or None) is a plain `F.linear`.
+    all-gathered along the sequence. s must be a multiple of the group size. `overlap`,
+    `ring_pieces`: as in `column_parallel_linear`. A group of one rank (or None) is a plain
+    `F.linear`.
     """
     p = group_size(group)
     if p == 1:
@@ -310,12 +231,13 @@ def row_parallel_linear(x, weight, bias, group, overlap=False):
     check_divisible("sequence length", x.shape[0], p, "pad the sequence (the Transformer does)")
     if not overlap:
         return _GemmReduceScatter.apply(x, weight, bias, group)
-    return _GemmRingReduceScatter.apply(x, weight, bias, group, int(overlap))
+    from .ring import GemmRingReduceScatter
+    return GemmRingReduceScatter.apply(x, weight, bias, group, ring_pieces)
 
 
 class _ParallelLinear(nn.Module):
-    def __init__(self, in_features, out_features, tp_group, bias, overlap, split_dim,
-                 device=None, dtype=None, init_weights=True, rows=None):
+    def __init__(self, in_features, out_features, tp_group, bias, overlap, ring_pieces,
+                 split_dim, device=None, dtype=None, init_weights=True, rows=None):
         super().__init__()
         p = group_size(tp_group)
         if rows is not None:  # this rank's rows, in its order
@@ -326,6 +248,7 @@ class _ParallelLinear(nn.Module):
             out_rows = out_features // p if split_dim == 0 else out_features
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
+        self.ring_pieces = ring_pieces
         shape = [out_rows, in_features // p if split_dim == 1 else in_features]
         self.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim, rows)
@@ -365,7 +288,8 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 split_dim=0, rows=None, device=None, dtype=None, init_weights=True):
+                 ring_pieces=1, split_dim=0, rows=None, device=None, dtype=None,
+                 init_weights=True):
         shaped = not isinstance(out_features, int)
         if not shaped and split_dim != 0:
             raise ValueError(f"split_dim={split_dim} with out_features={out_features}: it "
@@ -373,8 +297,8 @@ class ColumnParallelLinear(_ParallelLinear):
                              f"leave it at 0")
         if shaped:
             rows = split_rows(out_features, split_dim, group_size(tp_group))
-        super().__init__(in_features, out_features, tp_group, bias, overlap, 0, device, dtype,
-                         init_weights, rows)
+        super().__init__(in_features, out_features, tp_group, bias, overlap, ring_pieces, 0,
+                         device, dtype, init_weights, rows)
         self.shared = None if rows is None else rows.shared(group_rank(tp_group))
 
     def forward(self, x):
@@ -383,7 +307,8 @@ class ColumnParallelLinear(_ParallelLinear):
             weight = copy_to_row_holders(weight, self.shared, self.tp_group)
             if bias is not None:
                 bias = copy_to_row_holders(bias, self.shared, self.tp_group)
-        return column_parallel_linear(x, weight, bias, self.tp_group, self.overlap)
+        return column_parallel_linear(x, weight, bias, self.tp_group, self.overlap,
+                                      self.ring_pieces)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -395,12 +320,13 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 device=None, dtype=None, init_weights=True):
-        super().__init__(in_features, out_features, tp_group, bias, overlap, 1, device, dtype,
-                         init_weights)
+                 ring_pieces=1, device=None, dtype=None, init_weights=True):
+        super().__init__(in_features, out_features, tp_group, bias, overlap, ring_pieces, 1,
+                         device, dtype, init_weights)
 
     def forward(self, x):
-        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap)
+        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap,
+                                   self.ring_pieces)
 
 
 def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,

@@ -28,8 +28,10 @@ process group is made (initialize.py, `high_priority_streams`), not here.
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .comm import group_rank, group_size, send_recv
+from .parallel_linear import bias_grad, finish_row_forward, flat, reduced_bias_grad
 
 
 class Ring:
@@ -53,8 +55,7 @@ class Ring:
         """The rows of one piece of a chunk of `chunk_rows` rows (pieces must divide them)."""
         if self.pieces < 1 or chunk_rows % self.pieces:
             raise ValueError(f"{chunk_rows} sequence rows per rank cannot be cut into "
-                             f"{self.pieces} ring pieces: use a number of pieces that divides "
-                             f"them (overlap=True is one piece)")
+                             f"{self.pieces} ring pieces: give ring_pieces that divide them")
         return chunk_rows // self.pieces
 
     def shift(self, send, recv):
@@ -140,6 +141,89 @@ def ring_reduce_scatter(chunk_producer, ring):
 
 
 # ----------------------------------------------------------------------------------------------
+# The column and row layers' overlapped Functions (parallel_linear.py runs them for overlap=True)
+# ----------------------------------------------------------------------------------------------
+def linear_into(out, x, weight, bias):
+    """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
+    if bias is None:
+        torch.mm(flat(x), weight.t(), out=flat(out))
+    else:
+        torch.addmm(bias, flat(x), weight.t(), out=flat(out))
+
+
+class RingAllGatherGemm(torch.autograd.Function):
+    """Overlapped all-gather + GEMM: GEMM on chunk k while chunk k+1 travels the ring.
+
+    forward:  ring all-gather of X_r, each arriving chunk c goes straight into
+              Y[c*s/p:(c+1)*s/p] = X_c W_r^T (no gathered X is ever materialized).
+    backward: 1) ring all-gather of X_r again, dW_r += dY_c^T X_c for each chunk as it arrives;
+              2) ring reduce-scatter of dX, computing dX_c = dY_c W_r just before it is sent.
+    """
+
+    @staticmethod
+    def forward(ctx, x_local, weight, bias, group, pieces):
+        ring = Ring(group, pieces)
+        rows = ring.block_rows(x_local.shape[0])  # of one block (a piece of a chunk)
+        y = x_local.new_empty((x_local.shape[0] * ring.size, *x_local.shape[1:-1],
+                               weight.shape[0]))
+        ring_all_gather(x_local,
+                        lambda i, x_i: linear_into(y[i * rows:(i + 1) * rows], x_i, weight, bias), ring)
+        ctx.save_for_backward(x_local, weight)
+        ctx.group, ctx.pieces, ctx.has_bias = group, pieces, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_local, weight = ctx.saved_tensors
+        ring = Ring(ctx.group, ctx.pieces)
+        dy = dy.contiguous()
+        rows = ring.block_rows(x_local.shape[0])
+        dy_block = lambda i: dy[i * rows:(i + 1) * rows]  # noqa: E731
+
+        dw = WeightGradAccumulator(weight)
+        ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
+        dx_local = ring_reduce_scatter(lambda i: dy_block(i).matmul(weight), ring)
+        db = bias_grad(dy) if ctx.has_bias else None
+        return dx_local, dw.result(), db, None, None
+
+
+class GemmRingReduceScatter(torch.autograd.Function):
+    """Overlapped GEMM + reduce-scatter: chunk c's partial GEMM runs while the running sum of
+    the previous chunk travels the ring.
+
+    forward:  Y_r = sum over ranks q of X_q[chunk r] W_q^T, via ring_reduce_scatter.
+    backward: ring all-gather of dY_r; for each arriving chunk c:
+              dX[c] = dY_c W_r (into its slice) and dW_r += dY_c^T X[c].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, pieces):
+        ring = Ring(group, pieces)
+        rows = ring.block_rows(x.shape[0] // ring.size)
+        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * rows:(i + 1) * rows], weight), ring)
+        ctx.pieces = pieces
+        return finish_row_forward(ctx, y_local, x, weight, bias, group)
+
+    @staticmethod
+    def backward(ctx, dy_local):
+        x, weight = ctx.saved_tensors
+        ring = Ring(ctx.group, ctx.pieces)
+        rows = ring.block_rows(dy_local.shape[0])
+        # Not empty_like(x): x may be a strided view, and `out=` below needs a dense buffer
+        # whose row slices are views (a reshape of a strided slice would be a copy).
+        dx = x.new_empty(x.shape)
+        dw = WeightGradAccumulator(weight)
+
+        def consume(i, dy_i):
+            torch.mm(flat(dy_i), weight, out=flat(dx[i * rows:(i + 1) * rows]))
+            dw.add(dy_i, x[i * rows:(i + 1) * rows])
+
+        ring_all_gather(dy_local, consume, ring)
+        db = reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        return dx, dw.result(), db, None, None
+
+
+# ----------------------------------------------------------------------------------------------
 # The weight gradient of a GEMM cut into ring blocks
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
@@ -147,8 +231,8 @@ def has_fp32_out_gemm(device_type):
     """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs on this device type ("cuda",
     "cpu") for bf16 inputs: on CUDA it does (one tensor-core GEMM, fp32 output), on CPU torch
     2.13 has no such kernel. Asked once per device type, by trying."""
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
     try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (NotImplementedError, RuntimeError, TypeError):
         return False
@@ -162,26 +246,21 @@ class WeightGradAccumulator:
     keeps the overlapped weight gradient as accurate as the basic one (Megatron does the same
     with its fused fp32 gradient accumulation). For bf16 inputs, where the device has a GEMM
     that reads bf16 and writes fp32 (CUDA: `out_dtype`), each chunk is one such GEMM at bf16
-    speed into a scratch buffer, then added; elsewhere (CPU) the chunks are upcast and
-    multiplied in fp32, which is slower but the same arithmetic.
+    speed, then added; elsewhere (CPU) the chunks are upcast and multiplied in fp32, which is
+    slower but the same arithmetic.
     """
 
     def __init__(self, weight):
         self.dtype = weight.dtype
         self.acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         self.fp32_out = self.dtype != torch.float32 and has_fp32_out_gemm(weight.device.type)
-        self.scratch = torch.empty_like(self.acc) if self.fp32_out else None
 
     def add(self, dy_c, x_c):
-        dy_c, x_c = dy_c.reshape(-1, dy_c.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
-        if self.fp32_out:
-            # addmm's out_dtype form wants its addend in the inputs' dtype: multiply, then add.
-            torch.mm(dy_c.t(), x_c, out_dtype=torch.float32, out=self.scratch)
-            self.acc.add_(self.scratch)
-            return
-        if self.dtype != torch.float32:
-            dy_c, x_c = dy_c.float(), x_c.float()
-        self.acc.addmm_(dy_c.t(), x_c)
+        dy_c, x_c = flat(dy_c), flat(x_c)
+        if self.fp32_out:  # addmm's out_dtype form wants its addend in the inputs' dtype
+            self.acc.add_(torch.mm(dy_c.t(), x_c, out_dtype=torch.float32))
+        else:  # .float() of an fp32 tensor is the tensor itself
+            self.acc.addmm_(dy_c.t().float(), x_c.float())
 
     def result(self):
         return self.acc.to(self.dtype)

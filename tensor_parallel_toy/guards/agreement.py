@@ -19,8 +19,8 @@ import hashlib
 
 import torch
 
-from ..comm import all_gather_dim, group_device, group_rank, group_size
-from .collectives import all_gather_objects, broadcast_
+from ..comm import all_gather_dim, group_rank, group_size
+from .collectives import all_gather_objects, broadcast_, group_device
 
 SAME_BATCH = ("check", "broadcast")
 _SHOWN_FIELDS = 3  # a mismatch names this many fields (the first ones), then counts the rest

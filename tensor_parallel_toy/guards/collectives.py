@@ -2,13 +2,23 @@
 
 The guards use them to compare what the ranks built and hold (agreement.py), the harness to
 reduce its timings and gather its results, the launcher to wait for every rank. None of them is
-part of the layers' arithmetic; like comm.py's collectives, each tensor they make lives on
-`group_device(group)`, the one device NCCL accepts.
+part of the layers' arithmetic; each tensor they make lives on `group_device(group)`, the one
+device NCCL accepts.
 """
 import torch
 import torch.distributed as dist
 
-from ..comm import all_reduce_, group_device, group_size
+from ..comm import all_reduce_, group_size
+
+
+def group_device(group=None):
+    """Where a tensor must live to travel over `group` (None: the default group): this rank's
+    GPU under NCCL (the one `torch.cuda.set_device` chose), else the CPU. A group initialised
+    with "nccl" has no CPU backend: a CPU tensor fails there ("No backend type associated with
+    device type cpu")."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_(x, source, group):

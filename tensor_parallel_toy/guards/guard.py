@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from ..comm import group_size
 from ..config import check_overlap_option
 from ..model import Transformer
+from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..vocab_parallel import VocabParallelEmbedding
 from .agreement import (agree_on_batch, check_ranks_agree, check_same_batch_option,
                         module_fingerprint)
@@ -91,6 +92,10 @@ def _integer_tensors(args, kwargs, names):
 def _fingerprint(model, tp_group, options):
     fields = dict(options, tp_size=group_size(tp_group), overlap=getattr(model, "overlap", None),
                   seed=getattr(model, "seed", None))
+    pieces = {m.ring_pieces for m in model.modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    if pieces:  # ranks whose rings are cut differently would post different transfers
+        fields["ring_pieces"] = sorted(pieces)
     config = getattr(model, "config", None)
     if dataclasses.is_dataclass(config):
         fields.update({f"config.{k}": v for k, v in dataclasses.asdict(config).items()})
@@ -110,7 +115,11 @@ def guard(model, tp_group=None, *, check_ids=None, same_batch="check",
     model's own `tp_group`) and return it. Every rank of the group must call it alike."""
     check_same_batch_option(same_batch)
     check_every_option(check_replicated_grads)
-    check_overlap_option(getattr(model, "overlap", False))
+    for module in model.modules():  # the package's layers, and the Transformer
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            check_overlap_option(module.overlap, module.ring_pieces)
+        elif isinstance(module, Transformer):
+            check_overlap_option(module.overlap)
     if check_ids not in (None, True, False):
         raise ValueError(f"check_ids={check_ids!r}: valid are None (on the CPU only), True, "
                          f"False")

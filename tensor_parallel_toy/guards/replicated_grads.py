@@ -55,7 +55,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from .agreement import RanksDisagreeError, by_value, digest
-from ..comm import all_gather_dim, group_device, group_size
+from .collectives import group_device
+from ..comm import all_gather_dim, group_size
 from ..support.sharding import named_layouts, tensor_parallel_dim
 
 TOLERANCE = 2.0 ** -4  # relative to the gradient's norm: see the module docstring

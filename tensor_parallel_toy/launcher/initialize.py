@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..comm import group_device
-from ..guards.collectives import barrier
+from ..guards.collectives import barrier, group_device
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -143,7 +142,7 @@ def _bind_gpu(local_rank, world_size):
 
 def current_device():
     """The device this rank computes on: its GPU under NCCL, else the CPU (the default group's
-    `comm.group_device`)."""
+    `collectives.group_device`)."""
     return group_device()
 
 

@@ -65,16 +65,16 @@ TARGET_COMM_OVER_GEMM = 0.4  # calibration: comm is 40% of the GEMM (why: see ch
 ROUNDS_PER_BLOCK = 5  # rounds per ratio in the spread of op time / max(comm, GEMM)
 
 
-def _forward(op, x, w, group, overlap):
-    """The op's forward, both schedules: {False: basic, True: overlapped (`overlap`: True or
-    a number of ring pieces)}, each a zero-argument callable."""
-    return {o: (lambda v=v: op(x, w, None, group, v)) for o, v in ((False, False), (True, overlap))}
+def _forward(op, x, w, group, pieces):
+    """The op's forward, both schedules: {False: basic, True: overlapped (the ring, in `pieces`
+    pieces per chunk)}, each a zero-argument callable."""
+    return {o: (lambda o=o: op(x, w, None, group, o, pieces)) for o in (False, True)}
 
 
-def _backward(op, x, w, dy, group, overlap):
+def _backward(op, x, w, dy, group, pieces):
     """The op's backward, both schedules, each on a graph built once here (a collective: every
     rank builds its ops in the same order) and replayed: the grads of x and w from dy."""
-    graphs = {o: op(x, w, None, group, v) for o, v in ((False, False), (True, overlap))}
+    graphs = {o: op(x, w, None, group, o, pieces) for o in (False, True)}
     return {o: (lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
             for o, y in graphs.items()}
 
@@ -94,11 +94,11 @@ def _ring_gather_into(full, ring, n):
 class Op:
     """The tensors of one op on this rank and its five variants as zero-argument callables."""
 
-    def __init__(self, name, s, b, h, f, group, device, dtype, overlap=True):
+    def __init__(self, name, s, b, h, f, group, device, dtype, pieces=1):
         p = dist.get_world_size(group)
         r = dist.get_rank(group)
         n = s // p
-        ring = Ring(group, int(overlap))
+        ring = Ring(group, pieces)
         q = ring.block_rows(n)  # rows of one ring block (a piece of a chunk)
         self.device, self.seq_comm_s = device, []
         new = lambda *shape, grad=False: torch.randn(  # noqa: E731
@@ -111,13 +111,13 @@ class Op:
             x_full[r * n:(r + 1) * n] = x_r.detach()
             self.phases = [(lambda: _ring_gather_into(x_full, ring, n),
                             lambda: mm(x_full, w.detach().t(), y), "comm first")]
-            schedules = _forward(column_parallel_linear, x_r, w, group, overlap)
+            schedules = _forward(column_parallel_linear, x_r, w, group, pieces)
         elif name == "row_fwd":
             x, w = new(s, b, f // p, grad=True), new(h, f // p, grad=True)
             part = new(s, b, h)
             self.phases = [(lambda: ring_reduce_scatter(lambda i: part[i * q:(i + 1) * q], ring),
                             lambda: mm(x.detach(), w.detach().t(), part), "gemm first")]
-            schedules = _forward(row_parallel_linear, x, w, group, overlap)
+            schedules = _forward(row_parallel_linear, x, w, group, pieces)
         elif name == "row_bwd":
             x, w, dy_r = new(s, b, f // p, grad=True), new(h, f // p, grad=True), new(n, b, h)
             dy_full, dx, dw = new(s, b, h), new(s, b, f // p), new(h, f // p)
@@ -126,7 +126,7 @@ class Op:
                             lambda: (mm(dy_full, w.detach(), dx),
                                      mm(dy_full.flatten(0, 1).t(), x.detach().flatten(0, 1), dw)),
                             "comm first")]
-            schedules = _backward(row_parallel_linear, x, w, dy_r, group, overlap)
+            schedules = _backward(row_parallel_linear, x, w, dy_r, group, pieces)
         elif name == "column_bwd":
             x_r, w, dy = new(n, b, h, grad=True), new(f // p, h, grad=True), new(s, b, f // p)
             x_full, dw, dx_full = new(s, b, h), new(f // p, h), new(s, b, h)
@@ -136,7 +136,7 @@ class Op:
                  lambda: mm(dy.flatten(0, 1).t(), x_full.flatten(0, 1), dw), "comm first"),
                 (lambda: ring_reduce_scatter(lambda i: dx_full[i * q:(i + 1) * q], ring),
                  lambda: mm(dy, w.detach(), dx_full), "gemm first")]
-            schedules = _backward(column_parallel_linear, x_r, w, dy, group, overlap)
+            schedules = _backward(column_parallel_linear, x_r, w, dy, group, pieces)
         else:
             raise ValueError(f"unknown op {name!r}; valid: {', '.join(OPS)}")
         self.basic, self.overlap = schedules[False], schedules[True]
@@ -219,7 +219,7 @@ def run(spec):
         calibrated = True
     raw = {}
     for name in OPS:
-        op = Op(name, s, b, h, f, group, device, dtype, spec.overlap)
+        op = Op(name, s, b, h, f, group, device, dtype, spec.ring_pieces)
         fns = {v: getattr(op, v) for v in VARIANTS}
         for _ in range(spec.bench_warmup):
             for fn in fns.values():

@@ -150,7 +150,7 @@ def build_parser():
                    "them and over ring pieces, wire_sweep.json and wire_sweep.png")
     p.add_argument("--ring-pieces", type=int, default=d.ring_pieces, metavar="M",
                    help=f"tp_overlap: cut each ring chunk into M transfers, a piece's GEMM "
-                        f"starting as soon as it is here (overlap=M; default {d.ring_pieces})")
+                        f"starting as soon as it is here (ring_pieces=M; default {d.ring_pieces})")
     return p
 
 

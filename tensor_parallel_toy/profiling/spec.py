@@ -51,13 +51,8 @@ class ProfileSpec:
     # The replicated-gradient guard of the TP modes (replicated_grads.py): "first" (after the
     # first backward), N (every N-th backward) or None (off). 2-D runs leave it off (below).
     check_replicated_grads: Union[str, int, None] = "first"
-    ring_pieces: int = 1  # tp_overlap's ring: transfers per chunk (overlap=ring_pieces)
+    ring_pieces: int = 1  # tp_overlap's ring: transfers per chunk (the layers' ring_pieces)
     wire: Optional[dict] = None  # --link model:RATE: the modeled wire (wire.parse); None: none
-
-    @property
-    def overlap(self):
-        """The `overlap` argument of the tp_overlap mode: the ring, in ring_pieces pieces."""
-        return True if self.ring_pieces == 1 else self.ring_pieces
 
     @property
     def torch_dtype(self):

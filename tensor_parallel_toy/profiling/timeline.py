@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..guards.collectives import barrier, reduce_numbers
 from ..launcher.initialize import current_device
-from ..model import TransformerBlock, rotary_tables
-from ..model import draw_full_weights_
+from ..model import TransformerBlock, draw_full_weights_, rotary_tables
+from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .metrics import stamp
 from .transfers import recording
 from .metrics import summarize as distribution
@@ -165,8 +165,10 @@ def record(spec):
     modes = ("tp", "tp_overlap")
     blocks, inputs = {}, {}
     for mode in modes:
-        blocks[mode] = TransformerBlock(config, group,
-                                        overlap=mode == "tp_overlap" and spec.overlap)
+        blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        for layer in blocks[mode].modules():  # as the Transformer cuts its rings
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                layer.ring_pieces = spec.ring_pieces
         draw_full_weights_(blocks[mode], group, spec.seed)  # as the Transformer draws its own
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()

@@ -54,10 +54,10 @@ def mesh_2d(dp, tp, device_type):
 
 
 def build_model(mode, config, group, device, dtype, seed, mesh=None, check_replicated_grads=None,
-                overlap=True):
+                ring_pieces=1):
     """`group`: the TP group (1-D). `mesh`: the 2-D ("dp", "tp") grid, or None; given, the TP
-    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`. `overlap`: the
-    tp_overlap mode's (True: the ring; m: the ring in m pieces).
+    modes run over `mesh["tp"]` and are wrapped with FSDP2 over `mesh["dp"]`. `ring_pieces`: the
+    tp_overlap mode's ring, its transfers per chunk.
     `check_replicated_grads`: the TP modes' guard (replicated_grads.py), 1-D only: its
     end-of-backward check is not ordered against FSDP2's own end-of-backward work."""
     grads_check = check_replicated_grads if mesh is None else None
@@ -65,8 +65,9 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None, check_repli
         return Transformer(config, seed=seed).to(device, dtype)
     if mode in ("tp", "tp_overlap"):
         tp = group if mesh is None else mesh["tp"].get_group()  # the same group, from the grid
-        model = guard(Transformer(config, tp_group=tp, overlap=mode == "tp_overlap" and overlap,
-                                  seed=seed), check_replicated_grads=grads_check)
+        model = guard(Transformer(config, tp_group=tp, overlap=mode == "tp_overlap",
+                                  ring_pieces=ring_pieces, seed=seed),
+                      check_replicated_grads=grads_check)
         model = model.to(device, dtype)
     elif mode == "dtensor":
         model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),
@@ -210,7 +211,7 @@ class ModeRun:
         self.threads = spec.baseline_threads if mode == "baseline" else torch.get_num_threads()
         self.model = build_model(mode, spec.config, self.group, self.device, spec.torch_dtype,
                                  spec.seed, mesh if two_d else None, spec.check_replicated_grads,
-                                 overlap=spec.overlap)
+                                 ring_pieces=spec.ring_pieces)
         self.optimizer = make_optimizer(self.model, spec.lr)
         self.corpus = _corpus(spec.seed)
         self.aligned = mode != "baseline" and world is not None

@@ -45,7 +45,7 @@ def _point(description, pieces, shape, dtype_name, rounds):
     s, b, h, f = shape
     torch.manual_seed(1234)
     with wire.modeled(description):
-        op = Op("column_fwd", s, b, h, f, group, device, DTYPES[dtype_name], overlap=pieces)
+        op = Op("column_fwd", s, b, h, f, group, device, DTYPES[dtype_name], pieces=pieces)
         (comm, gemm, _), = op.phases
         variants = {"comm": comm, "gemm": gemm, "overlap": op.overlap}
         for fn in variants.values():  # warm-up

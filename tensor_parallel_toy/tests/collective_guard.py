@@ -4,7 +4,7 @@ checked on its way through, inside the worker ranks.
 Two rules, the ones NCCL enforces the hard way (a group initialised with "nccl" has no CPU
 backend: a CPU tensor fails with "No backend type associated with device type cpu"):
 - every tensor a collective or P2P call touches lives on the group's device,
-  `comm.group_device(group)`;
+  `collectives.group_device(group)`;
 - the package reaches torch.distributed only through comm.py and guards/collectives.py, the
   places that put tensors on that device, so no module can quietly make a CPU tensor for a GPU
   group (the profile's `transfers.recording`, which wraps the same entry points, is looked
@@ -73,7 +73,7 @@ def _guarded(name, fn, violations):
         if caller.startswith("tensor_parallel_toy") and caller not in _DOORS:
             violations.add(f"{where} called torch.distributed.{name} directly, not through "
                            f"comm.py or guards/collectives.py")
-        device = comm.group_device(_group_of(args, kwargs))
+        device = collectives.group_device(_group_of(args, kwargs))
         for t in _tensors([*args, *kwargs.values()]):
             if t.device != device:
                 violations.add(f"{where}: torch.distributed.{name} got a tensor on "

@@ -26,6 +26,7 @@ from tensor_parallel_toy.support.sharding import full_grads, full_state_dict
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
                                             nccl_rank_capacity)
+from tensor_parallel_toy.guards import guard
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.profiling.spec import DTYPES  # noqa: F401 (the one name -> dtype map)
 from tensor_parallel_toy.support.sharding import grad_norm
@@ -239,11 +240,13 @@ def train_beside_baseline(config, parallel_step, parallel_params, optimizer_para
     return errors
 
 
-def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, seq=12,
-                          ignore_frac=0.25, label_smoothing=0.0):
-    """Our TP model (same seed as the baseline) trained beside it: train_beside_baseline, the
-    TP loss through the model's vocab-parallel cross-entropy, ignored labels included."""
-    tp = Transformer(config, tp_group=tp_group, overlap=overlap, seed=0).to(current_device())
+def compare_with_baseline(config, tp_group, *, overlap=False, ring_pieces=1, steps=2, batch=2,
+                          seq=12, ignore_frac=0.25, label_smoothing=0.0):
+    """Our TP model (same seed as the baseline), guarded as users guard it, trained beside it:
+    train_beside_baseline, the TP loss through the model's vocab-parallel cross-entropy,
+    ignored labels included."""
+    tp = guard(Transformer(config, tp_group=tp_group, overlap=overlap, ring_pieces=ring_pieces,
+                           seed=0).to(current_device()))
 
     def step(ids, labels, base):
         logits = tp(ids)
@@ -255,8 +258,8 @@ def compare_with_baseline(config, tp_group, *, overlap=False, steps=2, batch=2, 
     def batch_of(step):
         return random_batch(config, batch, seq, seed=step, ignore_frac=ignore_frac)
 
-    return train_beside_baseline(config, step, lambda: full_state_dict(tp), tp.parameters(), steps=steps,
-                                 batch_of=batch_of, label_smoothing=label_smoothing)
+    return train_beside_baseline(config, step, lambda: full_state_dict(tp), tp.parameters(),
+                                 steps=steps, batch_of=batch_of, label_smoothing=label_smoothing)
 
 
 _MESHES = {}  # per rank process: creating a mesh's groups is collective, and they are never freed

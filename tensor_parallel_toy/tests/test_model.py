@@ -62,8 +62,9 @@ def _on_rank_overlap_vs_basic():
     3p), against whole collectives."""
     group, _, _ = world()
     out = {}
-    for overlap in (False, True, 3):
-        model = Transformer(CONFIG, tp_group=group, overlap=overlap, seed=3)
+    for overlap in (False, True, 3):  # 3: overlap=True, ring_pieces=3
+        model = Transformer(CONFIG, tp_group=group, overlap=bool(overlap),
+                            ring_pieces=overlap if overlap > 1 else 1, seed=3)
         ids, labels = fixed_batch(seed=11, seq=10)  # padded to 12 rows, 3 per rank
         model.loss(ids, labels).backward()
         out[overlap] = {"loss": model.loss(ids, labels).detach(), **full_grads(model)}

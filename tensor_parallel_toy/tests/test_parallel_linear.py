@@ -70,10 +70,10 @@ def _run_parallel_linear(kind, overlap, bias, dtype, full, group, strided=False)
     `strided`: the input and the output gradient are transposed views of batch-first tensors."""
     x, w, b, dy = full
     p, r, dev = dist.get_world_size(group), dist.get_rank(group), current_device()
-    overlap = PIECES[p] if overlap == "pieces" else overlap
+    pieces = PIECES[p] if overlap == "pieces" else 1
     cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-    layer = cls(w.shape[1], w.shape[0], tp_group=group, bias=bias, overlap=overlap,
-                device=dev, dtype=dtype)
+    layer = cls(w.shape[1], w.shape[0], tp_group=group, bias=bias, overlap=bool(overlap),
+                ring_pieces=pieces, device=dev, dtype=dtype)
     seq = lambda t: t.chunk(p, dim=0)[r]  # noqa: E731  this rank's sequence rows
     feat = lambda t, d=-1: t.chunk(p, dim=d)[r]  # noqa: E731  this rank's feature slice
     with torch.no_grad():
@@ -360,14 +360,17 @@ def test_output_shapes_the_ranks_cannot_split_raise_one_clear_error(pools):
 
 
 def _on_rank_uneven_pieces():
-    """6 sequence rows per rank cut into 4 ring pieces, and bad overlap values: refused."""
+    """6 sequence rows per rank cut into 4 ring pieces, and bad overlap options: refused."""
     group = dist.group.WORLD
     x = torch.randn(6, 2, 8)
     return value_error_messages({
-        "column": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=4)(x),
-        "row": lambda: RowParallelLinear(8, 4, tp_group=group, overlap=4)(
+        "column": lambda: ColumnParallelLinear(8, 4, tp_group=group, overlap=True,
+                                               ring_pieces=4)(x),
+        "row": lambda: RowParallelLinear(8, 4, tp_group=group, overlap=True, ring_pieces=4)(
             torch.randn(12, 2, 4)),
-        "zero": lambda: guard(ColumnParallelLinear(8, 4, tp_group=group, overlap=0.5))})
+        "number": lambda: guard(ColumnParallelLinear(8, 4, tp_group=group, overlap=4)),
+        "zero": lambda: guard(ColumnParallelLinear(8, 4, tp_group=group, overlap=True,
+                                                   ring_pieces=0))})
 
 
 def test_ring_pieces_that_do_not_divide_the_rows_are_refused_in_one_line_on_every_rank(pools):
@@ -375,8 +378,9 @@ def test_ring_pieces_that_do_not_divide_the_rows_are_refused_in_one_line_on_ever
         for kind in ("column", "row"):
             assert_one_line(messages[kind], ["6 sequence rows per rank", "4 ring pieces"],
                             f"rank {rank} {kind}")
-        assert_one_line(messages["zero"], ["overlap=0.5", "number of ring pieces"],
-                        f"rank {rank} overlap=0.5")
+        assert_one_line(messages["number"], ["overlap=4", "False", "True", "ring_pieces="],
+                        f"rank {rank} overlap=4")
+        assert_one_line(messages["zero"], ["ring_pieces=0", "m >= 1"], f"rank {rank} pieces 0")
 
 
 def test_functional_ops_on_a_group_of_one_are_plain_linear():

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensor_parallel_toy import ColumnParallelLinear, RowParallelLinear, parallel_linear
+from tensor_parallel_toy import ColumnParallelLinear, RowParallelLinear, ring
 from tensor_parallel_toy.launcher.initialize import current_device
 from tensor_parallel_toy.ring import Ring
 
@@ -117,16 +117,16 @@ def _replaced(patches):
             setattr(owner, name, value)
 
 
-def _on_rank_overlapped_layer_errors(landing, broken=None, overlap=True):
+def _on_rank_overlapped_layer_errors(landing, broken=None, ring_pieces=1):
     """{output or gradient: error} of the overlapped column and row layers against F.linear in
     fp64 on the full tensors, with the transfers landing as `landing` says and, if `broken`
-    names one, that broken ring in place of ring.py's function. `overlap=2`: the ring in two
+    names one, that broken ring in place of ring.py's function. `ring_pieces=2`: the ring in two
     pieces per chunk, whose buffers are reused piece by piece."""
     group, p, r = world()
     patches = [] if LANDINGS[landing] is None else [
         (Ring, "shift", LANDINGS[landing](Ring.shift))]
     if broken:
-        patches.append((parallel_linear, *BROKEN[broken]))
+        patches.append((ring, *BROKEN[broken]))
     gen = torch.Generator().manual_seed(31)
     s, b, n = 4 * p, 2, 6 * p  # every rank's sequence chunk and feature slice non-empty
     x, dy = torch.randn(s, b, n, generator=gen), torch.randn(s, b, n, generator=gen)
@@ -139,7 +139,8 @@ def _on_rank_overlapped_layer_errors(landing, broken=None, overlap=True):
             ref = {"x": x.double().requires_grad_(), "w": w.double().requires_grad_()}
             y_ref = F.linear(ref["x"], ref["w"])
             y_ref.backward(dy.double())
-            layer = cls(n, n, tp_group=group, bias=False, overlap=overlap, device=dev)
+            layer = cls(n, n, tp_group=group, bias=False, overlap=True,
+                        ring_pieces=ring_pieces, device=dev)
             x_in, dy_in, w_in, pick = ((seq(x), feat(dy), feat(w, 0), (feat, seq, 0))
                                        if kind == "column" else
                                        (feat(x), seq(dy), feat(w, 1), (seq, feat, 1)))
@@ -159,15 +160,15 @@ def _on_rank_overlapped_layer_errors(landing, broken=None, overlap=True):
 # Tests
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("overlap", [True, 2], ids=["ring", "pieces2"])
+@pytest.mark.parametrize("ring_pieces", [1, 2], ids=["ring", "pieces2"])
 @pytest.mark.parametrize("landing", list(LANDINGS))
 @pytest.mark.parametrize("tp", [2, 3], ids=["tp2", "tp3"])
 def test_overlapped_layers_match_plain_pytorch_however_the_ring_transfers_land(pools, tp, landing,
-                                                                               overlap, backend):
+                                                                               ring_pieces, backend):
     assert_errors(pools(tp, backend).run(_on_rank_overlapped_layer_errors, landing, None,
-                                         overlap), FP32_TOL,
-                  f"overlapped layers, tp={tp}, overlap={overlap}, transfers landing {landing}, "
-                  f"{backend}")
+                                         ring_pieces), FP32_TOL,
+                  f"overlapped layers, tp={tp}, ring_pieces={ring_pieces}, transfers landing "
+                  f"{landing}, {backend}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -107,7 +107,7 @@ def _wire_files():
 def _on_rank_train_on_the_wire(pieces):
     """compare_with_baseline with every transfer of the TP model on a fast modeled wire."""
     with wire.modeled(wire.parse("model:100gbit:1us")):
-        return compare_on_world(CONFIG, overlap=pieces, steps=2), _wire_files()
+        return compare_on_world(CONFIG, overlap=True, ring_pieces=pieces, steps=2), _wire_files()
 
 
 @pytest.mark.parametrize("world_size, pieces", [(2, 2), (3, 1)])
@@ -195,12 +195,12 @@ def _on_rank_training_layers_pieces(pieces):
 
     spec = ProfileSpec(config=CONFIG, tp=2, ring_pieces=pieces)
     model = train.ModeRun("tp_overlap", spec, dist.group.WORLD, dist.get_rank()).model
-    return {m.overlap for m in model.modules()
+    return {(m.overlap, m.ring_pieces) for m in model.modules()
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
 def test_the_profile_trains_tp_overlap_with_the_ring_pieces_asked_for(pools):
-    assert pools(2).run(_on_rank_training_layers_pieces, 2) == [{2}, {2}]
+    assert pools(2).run(_on_rank_training_layers_pieces, 2) == [{(True, 2)}, {(True, 2)}]
 
 
 def test_schedule_bound_of_the_ring_in_pieces():
