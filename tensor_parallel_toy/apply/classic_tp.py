@@ -161,7 +161,8 @@ def classic_plan(model):
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))  # the model's order
 
 
-def apply_tensor_parallel(model, tp_group, *, check_replicated_grads="first", **options):
+def apply_tensor_parallel(model, tp_group, *, check_replicated_grads="first", check_ids=None,
+                          same_batch="check", tp_seed=None, overlap=False):
     """`parallelize_module(model, tp_group, classic_plan(model), ...)`: the declared layers of
     every block split in place, everything else kept whole; returns the model, guarded.
 
@@ -170,12 +171,18 @@ def apply_tensor_parallel(model, tp_group, *, check_replicated_grads="first", **
     hold the same weights beforehand (same seed or same checkpoint): each keeps its slice of
     them, and the ranks compare them. `check_replicated_grads` ("first", the default; N for
     every N-th backward; None: off) checks at the end of a backward that every parameter left
-    whole has the same gradient on every rank: a per-feature weight placed between the column
-    and the row layer would not. The other keywords (`check_ids`, `same_batch`, `tp_seed`) are
-    parallelize_module's.
+    whole has the same gradient on every rank: a weight of the block's own applied between the
+    column and the row layer would not. `check_ids`, `same_batch` and `tp_seed` are
+    parallelize_module's. `overlap=True` is refused: the ring overlaps the sequence all-gather
+    and reduce-scatter of sequence parallelism, and classic TP has neither.
     """
-    return parallelize_module(model, tp_group, classic_plan(model),
-                              check_replicated_grads=check_replicated_grads, **options)
+    if overlap:
+        raise ValueError(f"overlap={overlap!r}: classic TP has no sequence all-gather or "
+                         f"reduce-scatter to overlap; leave overlap=False, or write a plan with "
+                         f"sequence parallelism for parallelize_module")
+    return parallelize_module(model, tp_group, classic_plan(model), check_ids=check_ids,
+                              same_batch=same_batch,
+                              check_replicated_grads=check_replicated_grads, tp_seed=tp_seed)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ What each style does here, p = TP size:
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
     NoParallel        parameters replicated on every rank and used on the same data (nothing
                       to sum); it only marks them as planned (torchtitan's name). On a
-                      module that holds split layers too, it covers its other parameters.
+                      module that holds split layers too, it covers its own parameters only.
     PrepareModuleInput / PrepareModuleOutput  a module's inputs / outputs moved between layouts:
                       Shard(d) -> Replicate(): all-gather along d, backward this rank's slice
                       (the gradient of replicated code is whole on every rank: a column layer
@@ -240,11 +240,12 @@ def _check_covered(module, matched):
              if isinstance(style, (SequenceParallel, NoParallel))]
     split = [name for name, (_, style) in matched.items()
              if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+    own_only = set()  # NoParallel beside split layers: it keeps whole its own parameters only
     for w in whole:
-        if isinstance(matched[w][1], NoParallel):  # does nothing to any parameter: it keeps
-            continue  # whole those of its own, beside the split layers it holds (a cls token)
         inner = [n for n in split if w == "" or n.startswith(w + ".")]
-        if inner:  # its gradient sum (or none) would reach the split weights too
+        if inner and isinstance(matched[w][1], NoParallel):
+            own_only.add(w)  # it does nothing to a parameter, so it cannot reach the split ones
+        elif inner:  # its gradient sum (or none) would reach the split weights too
             raise ValueError(f"{type(matched[w][1]).__name__} at {w!r} holds {inner[0]!r}, "
                              f"which the plan splits; give the whole-weight style to the "
                              f"modules that hold whole weights only")
@@ -255,7 +256,8 @@ def _check_covered(module, matched):
         style = matched.get(name, (None, None))[1]
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
-        if any(name == w or name.startswith(w + ".") or w == "" for w in whole):
+        if any(name == w or (w not in own_only and (w == "" or name.startswith(w + ".")))
+               for w in whole):
             continue
         label = f"{name}.{own[0]}" if name else own[0]
         raise ValueError(

@@ -272,3 +272,29 @@ def _on_rank_preset_against_hand_written(which):
 @pytest.mark.parametrize("which", ["mlp", "conv"])
 def test_the_preset_equals_parallelize_module_with_the_hand_written_plan(pools, which):
     assert_errors(pools(2).run(_on_rank_preset_against_hand_written, which), 0.0, which)
+
+
+def test_no_parallel_beside_split_layers_keeps_whole_only_its_own_weight():
+    """The preset gives a block holding a weight of its own beside its split layers NoParallel();
+    that entry covers the block's own weight, not its other children: a child the plan leaves
+    out is still refused at the first forward, naming its weight. Group of one."""
+    model = nn.Sequential(GatedFeedForward(8, 12))
+    model[0].unused = nn.Linear(8, 8)
+    plan = classic_plan(model)
+    assert plan.pop("0.unused") == NoParallel() and plan["0"] == NoParallel(), plan
+    from tensor_parallel_toy.apply import parallelize_module
+
+    with pytest.raises(ValueError) as info:
+        parallelize_module(model, None, plan)(torch.randn(2, 3, 8))
+    assert_one_line(str(info.value), ["'0.unused.weight'", "neither split nor kept whole"],
+                    "a child NoParallel does not cover")
+
+
+def test_overlap_is_refused_by_classic_tp_in_one_line():
+    """Classic TP has no sequence collectives for the ring to overlap: overlap=True would be
+    accepted and do nothing, so it is refused before the model changes. Group of one."""
+    model, _ = _mlp_model()
+    with pytest.raises(ValueError) as info:
+        apply_tensor_parallel(model, None, overlap=True)
+    assert_one_line(str(info.value), ["overlap=True", "classic TP"], "overlap")
+    assert isinstance(model[1].net[0], nn.Linear)
