@@ -1,6 +1,6 @@
 """`apply_tensor_parallel` on models of the user's own: an MLP block on `[B, T, C]` tokens and a
 1x1-conv block on `[B, C, H, W]` images, against the same model unsharded, every gradient; the
-plan it carries out (`classic_plan`) against one written by hand."""
+plan it carries out (`classic_plan`) against one written by hand, and edited for a fused conv."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +62,21 @@ class ConvMixer(nn.Module):
 
     def forward(self, x):
         return x + self.project(F.gelu(self.expand(self.norm(x))))
+
+
+class GatedConvMixer(nn.Module):
+    """One fused 1x1 conv producing the gate and up channels `[B, 2*hidden, H, W]`, then a 1x1
+    projection: as plain rows rank 0 would hold gate channels only."""
+    tp_column, tp_row = "expand", "project"
+
+    def __init__(self, channels, hidden):
+        super().__init__()
+        self.expand = nn.Conv2d(channels, 2 * hidden, kernel_size=1)
+        self.project = nn.Conv2d(hidden, channels, kernel_size=1)
+
+    def forward(self, x):
+        gate, up = self.expand(x).chunk(2, dim=1)  # [B, hidden/p, H, W] each on a rank
+        return x + self.project(F.silu(gate) * up)
 
 
 def _mlp_model():
@@ -298,3 +313,47 @@ def test_overlap_is_refused_by_classic_tp_in_one_line():
         apply_tensor_parallel(model, None, overlap=True)
     assert_one_line(str(info.value), ["overlap=True", "classic TP"], "overlap")
     assert isinstance(model[1].net[0], nn.Linear)
+
+
+def _on_rank_fused_conv():
+    """A fused 1x1 conv given its output shape in the preset's plan, against one device:
+    output, input gradient, every parameter's gradient against this rank's shard of one
+    device's; and the same plan without the shape, whose output must differ."""
+    from tensor_parallel_toy.apply import parallelize_module
+    from tensor_parallel_toy.parallel_linear import shard
+
+    group = dist.group.WORLD
+    errors = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Conv2d(3, 8, kernel_size=1), GatedConvMixer(8, 8))
+        tp = nn.Sequential(nn.Conv2d(3, 8, kernel_size=1), GatedConvMixer(8, 8))
+        tp.load_state_dict(base.state_dict())
+        plan = classic_plan(tp)
+        if fused:
+            plan["1.expand"] = ColwiseParallel(output_shape=(2, 8), split_dim=1)
+        parallelize_module(tp, group, plan)
+        x = torch.randn(2, 3, 4, 4)
+        grads = {}
+        for model in (base, tp):
+            x_in = x.clone().requires_grad_()
+            y = model(x_in)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+            grads[model] = (y, x_in.grad)
+        tag = "" if fused else "plain rows: "
+        errors[tag + "y"] = max_rel_error(grads[tp][0], grads[base][0])
+        if fused:
+            errors["dx"] = max_rel_error(grads[tp][1], grads[base][1])
+            full = dict(base.named_parameters())
+            for name, param in tp.named_parameters():
+                errors["grad:" + name] = max_rel_error(param.grad,
+                                                       shard(full[name].grad, param, group))
+    return errors
+
+
+def test_a_fused_conv_given_its_output_shape_in_the_plan_matches_unsharded(pools):
+    per_rank = pools(2).run(_on_rank_fused_conv)
+    for rank, errors in enumerate(per_rank):
+        plain = errors.pop("plain rows: y")
+        assert plain > 1e-3, f"rank {rank}: plain rows matched one device ({plain:.3g})"
+    assert_errors(per_rank, FP32_TOL, "fused conv")
