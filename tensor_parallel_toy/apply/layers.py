@@ -27,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard
 from ..comm import (all_gather_seq, copy_to_tensor_parallel_region,
                     gather_from_tensor_parallel_region, group_rank, group_size,
                     reduce_from_tensor_parallel_region)
-from ..parallel_linear import ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel
+from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, full_shape,
+                               mark_tensor_parallel)
 from ..vocab_parallel import VocabParallelEmbedding
 
 
@@ -124,6 +125,12 @@ def _conv_layout(param):
                                 param.tensor_parallel_dim, rows)
 
 
+def _conv_repr(layer):
+    """The convolution's own terms in print(model), not the Linear's features it is built on."""
+    full = full_shape(layer.weight, layer.tp_size)
+    return f"1x1 Conv2d, full weight {full}, tp_size={layer.tp_size}"
+
+
 class PlannedConvColumn(ColumnParallelLinear):
     """A 1x1 nn.Conv2d split by output channels, classic TP: `[B, in, H, W]` whole on every rank
     -> `[B, out/p, H, W]`. A 1x1 convolution is a Linear over the channels (dim 1) at every
@@ -144,6 +151,8 @@ class PlannedConvColumn(ColumnParallelLinear):
             self.random_stream.enter(y.device)
         return y
 
+    extra_repr = _conv_repr
+
 
 class PlannedConvRow(RowParallelLinear):
     """A 1x1 nn.Conv2d split by input channels, classic TP: `[B, in/p, H, W]` -> `[B, out, H,
@@ -163,6 +172,8 @@ class PlannedConvRow(RowParallelLinear):
             self.random_stream.leave()
         y = reduce_from_tensor_parallel_region(F.conv2d(x, self.weight), self.tp_group)
         return y if self.bias is None else y + self.bias.view(-1, 1, 1)  # [out] on dim 1
+
+    extra_repr = _conv_repr
 
 
 class SequenceParallelDropout(nn.Module):
