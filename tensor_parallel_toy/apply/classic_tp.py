@@ -1,13 +1,15 @@
-"""Classic tensor parallelism for a model of your own: blocks opt in by naming two sublayers.
+"""Classic tensor parallelism for a model of your own, as a plan: blocks opt in by naming two
+sublayers, and `classic_plan` reads those names into a plan for `parallelize_module`.
 
     class FeedForward(nn.Module):
         tp_column = "net.0"   # dotted path to the column-parallel layer ("net.0": in a Sequential)
         tp_row = "net.2"      # dotted path to the row-parallel layer
 
-    apply_tensor_parallel(model, tp_group)   # every such block, converted in place
+    apply_tensor_parallel(model, tp_group)   # = parallelize_module(model, g, classic_plan(model))
 
 This is classic Megatron TP, without sequence parallelism: every rank holds the full
-activations between blocks, and inside a block its slice of the hidden features.
+activations between blocks, and inside a block its slice of the hidden features. In a plan's
+words, ColwiseParallel() and RowwiseParallel() with their default layouts:
 
     x (full, every rank) --f--> column: x W_r^T + b_r  [..., hidden/p]   (no communication)
                          --element-wise op (GELU...)-->
@@ -15,107 +17,33 @@ activations between blocks, and inside a block its slice of the hidden features.
 
 `f` (forward identity, backward all-reduce) and `g` (forward all-reduce, backward identity) are
 conjugates, in comm.py. Whatever runs between the two layers must act on each feature alone
-(an activation, dropout): that is what a block promises by opting in.
+(an activation, dropout): that is what a block promises by opting in. Everything else sees the
+same full activations on every rank, so its parameters stay whole: NoParallel().
 
-A fused projection (one Linear producing q|k|v, or gate|up) must declare its output shape
-and the dim of it to split, `tp_column_shapes = {"c_attn": ((3, n_head, head_dim), 1)}` (set
-in the block's `__init__`, where the sizes are known): split as plain rows, rank 0 would get
-all of q and half of k, and nothing would fail (every rank wrong the same way).
+A fused projection (one Linear producing q|k|v, or gate|up) is split per part by the plan's
+ColwiseParallel(output_shape=..., split_dim=...): print the plan, give that entry the shape,
+and call parallelize_module yourself (README). As plain rows, rank 0 would get all of q and
+half of k, and nothing would fail (every rank wrong the same way).
 
 Supported layers: nn.Linear (features on the last dim) and 1x1 nn.Conv2d (channels on dim 1,
-`[B, C, H, W]`), the two differing only in that. A convolution with any other kernel, stride,
-padding, dilation or groups is refused: it is not a per-pixel matmul, and silently dropping
-those settings would change the model.
+`[B, C, H, W]`). A convolution with any other kernel, stride, padding, dilation or groups is
+refused (plan.py): it is not a per-pixel matmul.
 """
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..guards.agreement import check_ranks_agree
-from ..comm import (all_reduce_, copy_to_tensor_parallel_region, group_rank, group_size,
-                   reduce_from_tensor_parallel_region)
-from ..config import check_divisible
-from ..guards.replicated_grads import check_every_option, watch_replicated_gradients
-from ..support.sharding import (mark_tensor_parallel, named_layouts, record_layouts, split_rows,
-                                tensor_parallel_dim)
+from ..comm import all_reduce_, group_size
+from ..support.sharding import named_layouts, tensor_parallel_dim
+from .plan import parallelize_module
+from .styles import ColwiseParallel, NoParallel, RowwiseParallel
 
 # The class attributes a block declares its layers with; the underscored names are the ones
 # this package first published, still accepted.
 DECLARATIONS = {"tp_column": "_tp_col", "tp_row": "_tp_row"}
 
 
-class _ClassicParallel(nn.Module):
-    """This rank's shard of a Linear or 1x1 Conv2d; `split_dim` 0 splits the output features
-    (column), 1 the input features (row). The weight keeps the layer's own layout: Linear
-    `[out, in]`, Conv2d `[out, in, 1, 1]`, so the split dims are the same for both."""
-
-    def __init__(self, layer, tp_group, split_dim, view=None):
-        super().__init__()
-        p, r = group_size(tp_group), group_rank(tp_group)
-        self.tp_group, self.tp_size, self.split_dim = tp_group, p, split_dim
-        self.is_conv = isinstance(layer, nn.Conv2d)
-        self.full_shape = tuple(layer.weight.shape)
-        # A declared output shape: this rank's rows of it, in the view's order (column only).
-        rows = None if view is None else view.rows[r].to(layer.weight.device)
-        cut = (lambda t: t[rows]) if view is not None else (lambda t: t.chunk(p, split_dim)[r])
-        with torch.no_grad():
-            self.weight = mark_tensor_parallel(nn.Parameter(cut(layer.weight).clone()),
-                                               split_dim, view)
-            self.bias = None
-            if layer.bias is not None:
-                # Column: each rank adds the bias of its own outputs. Row: the bias is added
-                # once, after the sum, and is the same on every rank.
-                bias = cut(layer.bias) if split_dim == 0 else layer.bias
-                self.bias = mark_tensor_parallel(nn.Parameter(bias.clone()),
-                                                 0 if split_dim == 0 else None, view)
-
-    def _matmul(self, x, weight, bias):
-        """The layer's own op: a 1x1 convolution is a matmul over the channel dim per pixel."""
-        return F.conv2d(x, weight, bias) if self.is_conv else F.linear(x, weight, bias)
-
-    def extra_repr(self):
-        kind = "Conv2d 1x1" if self.is_conv else "Linear"
-        return f"{kind}, full weight {list(self.full_shape)}, tp_size={self.tp_size}"
-
-
-class ClassicColumnParallel(_ClassicParallel):
-    """Full input -> this rank's output features, no communication in forward.
-
-    Linear: `[..., in]` -> `[..., out/p]`; Conv2d 1x1: `[B, in, H, W]` -> `[B, out/p, H, W]`.
-    Weight shard: output rows r*out/p:(r+1)*out/p; bias `[out/p]`. The input enters through `f`:
-    each rank's input gradient covers only its outputs, so backward sums it over the group.
-    """
-
-    def __init__(self, layer, tp_group, view=None):
-        super().__init__(layer, tp_group, split_dim=0, view=view)
-
-    def forward(self, x):
-        return self._matmul(copy_to_tensor_parallel_region(x, self.tp_group), self.weight,
-                            self.bias)
-
-
-class ClassicRowParallel(_ClassicParallel):
-    """This rank's input features -> full output on every rank, via `g` (an all-reduce).
-
-    Linear: `[..., in/p]` -> `[..., out]`; Conv2d 1x1: `[B, in/p, H, W]` -> `[B, out, H, W]`.
-    Weight shard: input columns r*in/p:(r+1)*in/p; the bias `[out]` is replicated and added
-    after the sum (adding it on every rank before it would count it p times).
-    """
-
-    def __init__(self, layer, tp_group):
-        super().__init__(layer, tp_group, split_dim=1)
-
-    def forward(self, x):
-        y = reduce_from_tensor_parallel_region(self._matmul(x, self.weight, None), self.tp_group)
-        if self.bias is None:
-            return y
-        return y + (self.bias.view(-1, 1, 1) if self.is_conv else self.bias)  # [C] -> [C, 1, 1]
-
-
 # ----------------------------------------------------------------------------------------------
-# Finding and checking the declared layers
+# Reading the declarations
 # ----------------------------------------------------------------------------------------------
 def _paths(declared):
     return (declared,) if isinstance(declared, str) else tuple(declared)
@@ -148,110 +76,118 @@ def _resolve(block, path, where):
     return obj
 
 
-def _output_view(block, path, layer, p, where):
-    """The `RowSplit` a block declares for column layer `path` in `tp_column_shapes`
-    ({path: (output_shape, split_dim)}), or None; refused in one line when it cannot hold."""
-    declared = getattr(block, "tp_column_shapes", None) or {}
-    if path not in declared or not isinstance(layer, (nn.Linear, nn.Conv2d)):
-        return None  # another kind of layer: _check_layer refuses it
+def _refuse_shapes(block, name, where):
+    """The fused projection's one spelling is the plan's: an older declaration is refused with
+    the entry that replaces it."""
+    declared = getattr(block, "tp_column_shapes", None)
+    if not declared:
+        return
+    path, value = next(iter(declared.items()))
+    key = f"{name}.{path}" if name else path
     try:
-        shape, split_dim = declared[path]
-        shape = tuple(shape)
+        shape, split_dim = value
+        spelled = f"ColwiseParallel(output_shape={tuple(shape)}, split_dim={split_dim})"
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: tp_column_shapes[{path!r}]={declared[path]!r}: give "
-                         f"(output_shape, split_dim), e.g. ((3, n_head, head_dim), 1)") from None
-    n_out = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
-    if math.prod(shape) != n_out or not 0 <= split_dim < len(shape) or shape[split_dim] % p:
-        raise ValueError(f"{where}: output shape {shape} split along dim {split_dim}: the shape "
-                         f"must hold the layer's {n_out} outputs and its dim {split_dim} divide "
-                         f"by the tensor-parallel size {p}")
-    return split_rows(shape, split_dim, p)
+        spelled = "ColwiseParallel(output_shape=(3, n_head, head_dim), split_dim=1)"
+    raise ValueError(f"{where} declares tp_column_shapes, which is no longer read: give the "
+                     f"shape in the plan, plan = classic_plan(model); plan[{key!r}] = "
+                     f"{spelled}; parallelize_module(model, group, plan)")
 
 
-def _check_layer(layer, kind, p, where, shaped=False):
-    """Refuse, with one line, any layer the classic column/row conversion cannot keep exact."""
-    if isinstance(layer, nn.Conv2d):
-        settings = {"kernel_size": (layer.kernel_size, (1, 1)), "stride": (layer.stride, (1, 1)),
-                    "padding": (layer.padding, (0, 0)), "dilation": (layer.dilation, (1, 1)),
-                    "groups": (layer.groups, 1)}
-        for name, (value, plain) in settings.items():
-            if value != plain and not (name == "padding" and value == "valid"):
-                raise ValueError(
-                    f"{where}: Conv2d {name}={value!r} is not supported; tensor parallelism "
-                    f"here needs a plain 1x1 convolution (kernel_size=(1, 1), stride=(1, 1), "
-                    f"padding=0, dilation=(1, 1), groups=1)")
-        n_out, n_in = layer.out_channels, layer.in_channels
-        names = ("out_channels", "in_channels")
-    elif isinstance(layer, nn.Linear):
-        n_out, n_in = layer.out_features, layer.in_features
-        names = ("out_features", "in_features")
-    else:
-        raise ValueError(f"{where}: {type(layer).__name__} cannot be made {kind}-parallel; "
-                         f"supported are nn.Linear and 1x1 nn.Conv2d")
-    name, value = (names[0], n_out) if kind == "column" else (names[1], n_in)
-    if not shaped:  # a declared output shape is checked by _output_view
-        check_divisible(f"{where}: {name}", value, p)
+def _keep_whole(module, split, name=""):
+    """{name: NoParallel()} keeping whole every parameter outside the `split` layers: a subtree
+    holding none of them in one entry, a module holding some beside parameters of its own in
+    an entry of its own, and every dropout with p > 0 in one too (the plan asks where each
+    dropout runs; in classic TP it draws from the stream of the region it runs in)."""
+    if name in split:
+        return {}
+    plan = {}
+    if any(name == "" or s.startswith(name + ".") for s in split):
+        if any(True for _ in module.parameters(recurse=False)):
+            plan[name] = NoParallel()
+        for child_name, child in module.named_children():
+            plan.update(_keep_whole(child, split, f"{name}.{child_name}" if name else child_name))
+        return plan
+    if any(True for _ in module.parameters()):
+        plan[name] = NoParallel()
+    for sub_name, sub in module.named_modules(prefix=name):
+        if isinstance(sub, nn.Dropout) and sub.p > 0:
+            plan[sub_name] = NoParallel()
+    return plan
 
 
-def apply_tensor_parallel(model, tp_group, *, check_replicated_grads=None):
-    """Convert, in place, the `tp_column` / `tp_row` layers of every block that declares them
-    (`_tp_col` / `_tp_row` are accepted as their older names).
+def classic_plan(model):
+    """The plan of classic TP for `model`, read from its blocks' declarations: {module name:
+    ColwiseParallel() for each `tp_column` layer, RowwiseParallel() for each `tp_row` layer,
+    NoParallel() for whatever else holds parameters (and each dropout)}, the names full paths
+    from `model`. Print it, edit it (a fused projection's output_shape), and give it to
+    `parallelize_module`. Nothing is changed and nothing communicated here.
 
     Each declaration is one dotted path or a tuple of them (e.g. two column layers, gate and
-    up, feeding one row layer). A column layer whose output is several tensors side by side (a
-    fused q|k|v) needs `tp_column_shapes` (module docstring): as plain rows it is split wrong.
-    The whole model is checked before anything changes, and before any communication, so a bad
-    layer is one ValueError on every rank with no rank left in a collective. Every rank must
-    hold the same weights beforehand (same seed or same checkpoint): each keeps its slice of
-    them. Returns the model.
-
-    `check_replicated_grads` ("first", or N for every N-th backward; None: off) checks at the
-    end of a backward through `model` that every parameter left whole has the same gradient on
-    every rank (replicated_grads.py): a per-feature weight placed between the column and the
-    row layer would not. Every rank must pass the same value: the ranks compare it at the
-    end, in one tiny all-gather, the only communication here (a rank checking alone would
-    otherwise wait in the check's collective).
+    up, feeding one row layer); `_tp_col` / `_tp_row` are accepted as their older names. A
+    block declaring one without the other, a path to nothing, a layer declared twice, a layer
+    that is neither an nn.Linear nor an nn.Conv2d, or a model declaring nothing is refused in
+    one line; the sizes and convolution settings are checked by `parallelize_module`.
     """
-    check_every_option(check_replicated_grads)
-    p = group_size(tp_group)
-    plan = []
-    for name, block in list(model.named_modules()):
+    split = {}
+    for name, block in model.named_modules():
+        where = f"{type(block).__name__} at {name!r}" if name else type(block).__name__
+        _refuse_shapes(block, name, where)
         col, row = _declared(block, "tp_column"), _declared(block, "tp_row")
         if col is None and row is None:
             continue
-        where = f"{type(block).__name__} at {name!r}" if name else type(block).__name__
         if col is None or row is None:
             missing = "tp_row" if row is None else "tp_column"
             raise ValueError(f"{where} declares only one of tp_column/tp_row ({missing} is "
                              f"missing): a column layer needs its row layer to sum its outputs")
-        for kind, paths in (("column", _paths(col)), ("row", _paths(row))):
-            for path in paths:
+        for kind, paths, style in (("column", col, ColwiseParallel()),
+                                   ("row", row, RowwiseParallel())):
+            for path in _paths(paths):
                 layer = _resolve(block, path, where)
                 at = f"{where}, {kind} layer {path!r}"
-                view = _output_view(block, path, layer, p, at) if kind == "column" else None
-                _check_layer(layer, kind, p, at, shaped=view is not None)
-                plan.append((block, path, layer, kind, view))
-        unknown = set(getattr(block, "tp_column_shapes", None) or {}) - set(_paths(col))
-        if unknown:
-            raise ValueError(f"{where}: tp_column_shapes names {sorted(unknown)}, which "
-                             f"tp_column does not ({col!r})")
-    if not plan:
+                if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+                    raise ValueError(f"{at}: {type(layer).__name__} cannot be made {kind}-"
+                                     f"parallel; supported are nn.Linear and 1x1 nn.Conv2d")
+                key = f"{name}.{path}" if name else path
+                if key in split:
+                    raise ValueError(f"{at}: {key!r} is declared twice; declare each layer "
+                                     f"once, in the block that holds it")
+                split[key] = style
+    if not split:
         raise ValueError(f"{type(model).__name__} has no block declaring tp_column and tp_row: "
                          f"nothing to split")
-    for block, path, layer, kind, view in plan:
-        parent_path, _, attr = path.rpartition(".")
-        parent = _resolve(block, parent_path, "") if parent_path else block
-        new = ClassicColumnParallel(layer, tp_group, view) if kind == "column" else \
-            ClassicRowParallel(layer, tp_group)
-        setattr(parent, attr, new)  # "1" in a Sequential replaces its item 1
-    record_layouts(model)  # the marks, where wrapping (fully_shard, DDP) keeps them
-    check_ranks_agree({"check_replicated_grads": check_replicated_grads}, tp_group,
-                      "apply_tensor_parallel calls")
-    model.replicated_grads_watch = watch_replicated_gradients(model, tp_group,
-                                                              check_replicated_grads)
-    return model
+    plan = {**_keep_whole(model, split), **split}
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return dict(sorted(plan.items(), key=lambda item: order[item[0]]))  # the model's order
 
 
+def apply_tensor_parallel(model, tp_group, *, check_replicated_grads="first", check_ids=None,
+                          same_batch="check", tp_seed=None, overlap=False):
+    """`parallelize_module(model, tp_group, classic_plan(model), ...)`: the declared layers of
+    every block split in place, everything else kept whole; returns the model, guarded.
+
+    The whole plan is checked before anything changes and before any communication, so a bad
+    layer is one ValueError on every rank with no rank left in a collective. Every rank must
+    hold the same weights beforehand (same seed or same checkpoint): each keeps its slice of
+    them, and the ranks compare them. `check_replicated_grads` ("first", the default; N for
+    every N-th backward; None: off) checks at the end of a backward that every parameter left
+    whole has the same gradient on every rank: a weight of the block's own applied between the
+    column and the row layer would not. `check_ids`, `same_batch` and `tp_seed` are
+    parallelize_module's. `overlap=True` is refused: the ring overlaps the sequence all-gather
+    and reduce-scatter of sequence parallelism, and classic TP has neither.
+    """
+    if overlap:
+        raise ValueError(f"overlap={overlap!r}: classic TP has no sequence all-gather or "
+                         f"reduce-scatter to overlap; leave overlap=False, or write a plan with "
+                         f"sequence parallelism for parallelize_module")
+    return parallelize_module(model, tp_group, classic_plan(model), check_ids=check_ids,
+                              same_batch=same_batch,
+                              check_replicated_grads=check_replicated_grads, tp_seed=tp_seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Keeping the replicas identical over a long run
+# ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def average_over_group_(tensors, group):
     """Replace each tensor by its mean over the group, in place, with one all-reduce.
@@ -288,3 +224,7 @@ def sync_replicated_gradients(model, tp_group):
             grads.setdefault(param.grad.dtype, []).append(param.grad)
     for same_dtype in grads.values():
         average_over_group_(same_dtype, tp_group)
+
+
+__all__ = ["DECLARATIONS", "apply_tensor_parallel", "average_over_group_", "classic_plan",
+           "sync_replicated_gradients"]

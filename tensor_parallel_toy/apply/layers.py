@@ -10,6 +10,8 @@ sequence) come first, before any collective.
                       input; optionally the features gathered after
     PlannedRow        RowParallelLinear: GEMM + reduce-scatter(seq), or GEMM + `g`
     PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq), or lookup + `g`
+    PlannedConvColumn / PlannedConvRow   a 1x1 nn.Conv2d, channels on dim 1: `f` + conv, or
+                      conv + `g` (classic TP only: the whole input, or output, on every rank)
     SequenceParallelDropout   one device's mask, this rank's slice of it
 The TP region (a split column output until the row layer) draws from this rank's own random
 stream (random.py): the column layer enters it, the row layer leaves it.
@@ -25,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard
 from ..comm import (all_gather_seq, copy_to_tensor_parallel_region,
                     gather_from_tensor_parallel_region, group_rank, group_size,
                     reduce_from_tensor_parallel_region)
-from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, full_shape,
+                               mark_tensor_parallel)
 from ..vocab_parallel import VocabParallelEmbedding
 
 
@@ -114,6 +117,65 @@ class PlannedEmbedding(VocabParallelEmbedding):
         return super().forward(ids).transpose(0, self.output_dim).contiguous()
 
 
+def _conv_layout(param):
+    """A layer's `[rows, cols]` weight as a 1x1 convolution's `[rows, cols, 1, 1]`, its marks
+    kept: checkpoints and gradients then read as the nn.Conv2d's own."""
+    rows = getattr(param, "tensor_parallel_rows", None)
+    return mark_tensor_parallel(nn.Parameter(param.detach()[..., None, None]),
+                                param.tensor_parallel_dim, rows)
+
+
+def _conv_repr(layer):
+    """The convolution's own terms in print(model), not the Linear's features it is built on."""
+    full = full_shape(layer.weight, layer.tp_size)
+    return f"1x1 Conv2d, full weight {full}, tp_size={layer.tp_size}"
+
+
+class PlannedConvColumn(ColumnParallelLinear):
+    """A 1x1 nn.Conv2d split by output channels, classic TP: `[B, in, H, W]` whole on every rank
+    -> `[B, out/p, H, W]`. A 1x1 convolution is a Linear over the channels (dim 1) at every
+    pixel, so its rows split as a column layer's (an output_shape too); the input enters
+    through `f`. Weight `[out/p, in, 1, 1]`, bias `[out/p]`."""
+
+    random_stream = None
+
+    def __init__(self, conv, tp_group, output_shape, split_dim, where):
+        super().__init__(conv.in_channels, output_shape or conv.out_channels, tp_group=tp_group,
+                         bias=conv.bias is not None, split_dim=split_dim,
+                         device=conv.weight.device, dtype=conv.weight.dtype, init_weights=False)
+        self.weight, self.where = _conv_layout(self.weight), where
+
+    def forward(self, x):
+        y = F.conv2d(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        if self.random_stream is not None:  # the TP region, as PlannedColumn's
+            self.random_stream.enter(y.device)
+        return y
+
+    extra_repr = _conv_repr
+
+
+class PlannedConvRow(RowParallelLinear):
+    """A 1x1 nn.Conv2d split by input channels, classic TP: `[B, in/p, H, W]` -> `[B, out, H,
+    W]` on every rank through `g`, then the bias `[out]` (replicated) once. Weight
+    `[out, in/p, 1, 1]`."""
+
+    random_stream = None
+
+    def __init__(self, conv, tp_group, where):
+        super().__init__(conv.in_channels, conv.out_channels, tp_group=tp_group,
+                         bias=conv.bias is not None, device=conv.weight.device,
+                         dtype=conv.weight.dtype, init_weights=False)
+        self.weight, self.where = _conv_layout(self.weight), where
+
+    def forward(self, x):
+        if self.random_stream is not None:
+            self.random_stream.leave()
+        y = reduce_from_tensor_parallel_region(F.conv2d(x, self.weight), self.tp_group)
+        return y if self.bias is None else y + self.bias.view(-1, 1, 1)  # [out] on dim 1
+
+    extra_repr = _conv_repr
+
+
 class SequenceParallelDropout(nn.Module):
     """Dropout on this rank's slice (along `dim`) of a tensor p times as long there, with the
     mask one device would draw for the whole tensor: every rank draws it (same generator state)
@@ -200,5 +262,6 @@ def redistribute(x, have, want, group, where):
     to_sequence_first(x, want.dim, group_size(group), where, whole=True)
     return split_sequence(x, want.dim, group)
 
-__all__ = ["PlannedColumn", "PlannedEmbedding", "PlannedRow", "SequenceParallelDropout",
-           "gather_sequence", "redistribute", "split_sequence", "to_sequence_first"]
+__all__ = ["PlannedColumn", "PlannedConvColumn", "PlannedConvRow", "PlannedEmbedding",
+           "PlannedRow", "SequenceParallelDropout", "gather_sequence", "redistribute",
+           "split_sequence", "to_sequence_first"]

@@ -40,12 +40,15 @@ What each style does here, p = TP size:
                       (gather_from_tensor_parallel_region; backward keeps this rank's slice).
                       output_shape=(...), split_dim=k: the rows flatten that shape, split along
                       dim k (a fused q|k|v is (3, heads, head_dim) split along 1).
+                      A 1x1 nn.Conv2d (channels on dim 1) -> PlannedConvColumn, default
+                      layouts only: `f`, then its output channels (classic TP).
     RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
                       output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
                       or its ring); output Replicate() (default): `g`, an all-reduce.
                       nn.Embedding -> VocabParallelEmbedding: rows split, the whole ids in
                       (input Replicate()); output Shard(d): reduce-scatter the sequence
                       (reduce_scatter_to_sequence_parallel_region); Replicate(): `g`.
+                      A 1x1 nn.Conv2d -> PlannedConvRow: its input channels, then `g`.
     SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
                       parameters stay whole and their gradient is summed over the group before
                       it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
@@ -53,7 +56,8 @@ What each style does here, p = TP size:
                       would drop; model.py's norms call `f` in forward instead). An
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
     NoParallel        parameters replicated on every rank and used on the same data (nothing
-                      to sum); it only marks them as planned (torchtitan's name).
+                      to sum); it only marks them as planned (torchtitan's name). On a
+                      module that holds split layers too, it covers its own parameters only.
     PrepareModuleInput / PrepareModuleOutput  a module's inputs / outputs moved between layouts:
                       Shard(d) -> Replicate(): all-gather along d, backward this rank's slice
                       (the gradient of replicated code is whole on every rank: a column layer
@@ -108,7 +112,8 @@ from ..comm import all_reduce_, group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
 from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
-from .layers import PlannedColumn, PlannedEmbedding, PlannedRow, SequenceParallelDropout
+from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
+                     PlannedRow, SequenceParallelDropout)
 from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
@@ -133,6 +138,27 @@ def matching_modules(module, key, prefix=""):
     return found
 
 
+def _check_conv(conv, style, where):
+    """A Conv2d is split as a matmul over its channels (dim 1) at every pixel: only a plain 1x1
+    convolution is one, and only with classic TP's layouts (the whole activations on every
+    rank, the channels split between the column and the row layer)."""
+    settings = {"kernel_size": (conv.kernel_size, (1, 1)), "stride": (conv.stride, (1, 1)),
+                "padding": (conv.padding, (0, 0)), "dilation": (conv.dilation, (1, 1)),
+                "groups": (conv.groups, 1)}
+    for name, (value, plain) in settings.items():
+        if value != plain and not (name == "padding" and value == "valid"):
+            raise ValueError(f"{where}: Conv2d {name}={value!r} is not supported; tensor "
+                             f"parallelism here needs a plain 1x1 convolution (kernel_size="
+                             f"(1, 1), stride=(1, 1), padding=0, dilation=(1, 1), groups=1)")
+    whole = style.input_layouts if isinstance(style, ColwiseParallel) else style.output_layouts
+    split = style.output_layouts if isinstance(style, ColwiseParallel) else style.input_layouts
+    if not isinstance(layout_or(whole, Replicate()), Replicate) or split is not None:
+        raise ValueError(f"{where}: a 1x1 Conv2d takes the default layouts only (the whole "
+                         f"[B, C, H, W] on every rank, its channels split between the column "
+                         f"and the row layer); got input_layouts={style.input_layouts!r}, "
+                         f"output_layouts={style.output_layouts!r}")
+
+
 def _check_style(name, module, style, p):
     """One line for anything `style` cannot do to `module` over p ranks."""
     where = f"{type(style).__name__} at {name!r}"
@@ -142,9 +168,14 @@ def _check_style(name, module, style, p):
                          f"for PyTorch's DTensor output (global shapes) would compute another "
                          f"thing")
     if isinstance(style, ColwiseParallel):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, nn.Conv2d)):
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by columns here; "
-                             f"ColwiseParallel takes an nn.Linear")
+                             f"ColwiseParallel takes an nn.Linear or a 1x1 nn.Conv2d")
+        conv = isinstance(module, nn.Conv2d)
+        if conv:
+            _check_conv(module, style, where)
+        n_out = module.out_channels if conv else module.out_features
+        out_name = "out_channels" if conv else "out_features"
         sequence_dim(layout_or(style.input_layouts, Replicate()), "input_layouts", where)
         out = layout_or(style.output_layouts, Shard(-1))
         if not (isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim == -1)):
@@ -154,12 +185,12 @@ def _check_style(name, module, style, p):
             if style.split_dim:
                 raise ValueError(f"{where}: split_dim={style.split_dim} without output_shape; "
                                  f"give output_shape, or leave split_dim at 0")
-            check_divisible(f"{where}: out_features", module.out_features, p)
+            check_divisible(f"{where}: {out_name}", n_out, p)
             return
         shape = tuple(style.output_shape)
-        if math.prod(shape) != module.out_features:
+        if math.prod(shape) != n_out:
             raise ValueError(f"{where}: output_shape={shape} holds {math.prod(shape)} rows, the "
-                             f"layer has out_features={module.out_features}")
+                             f"layer has {out_name}={n_out}")
         if not 0 <= style.split_dim < len(shape):
             raise ValueError(f"{where}: split_dim={style.split_dim}: valid are 0..{len(shape) - 1}")
         if shape[style.split_dim] % p:
@@ -168,6 +199,9 @@ def _check_style(name, module, style, p):
         if isinstance(out, Replicate):
             raise ValueError(f"{where}: output_layouts=Replicate() with an output_shape: the "
                              f"gathered rows would be in rank order, not the layer's")
+    elif isinstance(style, RowwiseParallel) and isinstance(module, nn.Conv2d):
+        _check_conv(module, style, where)
+        check_divisible(f"{where}: in_channels", module.in_channels, p)
     elif isinstance(style, RowwiseParallel):
         inp = layout_or(style.input_layouts, Shard(-1) if isinstance(module, nn.Linear)
                       else Replicate())
@@ -187,7 +221,8 @@ def _check_style(name, module, style, p):
             check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
         else:
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
-                             f"RowwiseParallel takes an nn.Linear or an nn.Embedding")
+                             f"RowwiseParallel takes an nn.Linear, a 1x1 nn.Conv2d or an "
+                             f"nn.Embedding")
     elif isinstance(style, PrepareModuleOutput):
         layout_pairs(style.output_layouts, style.desired_output_layouts, where)
     elif isinstance(style, PrepareModuleInput):
@@ -205,9 +240,12 @@ def _check_covered(module, matched):
              if isinstance(style, (SequenceParallel, NoParallel))]
     split = [name for name, (_, style) in matched.items()
              if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+    own_only = set()  # NoParallel beside split layers: it keeps whole its own parameters only
     for w in whole:
         inner = [n for n in split if w == "" or n.startswith(w + ".")]
-        if inner:  # its gradient sum (or none) would reach the split weights too
+        if inner and isinstance(matched[w][1], NoParallel):
+            own_only.add(w)  # it does nothing to a parameter, so it cannot reach the split ones
+        elif inner:  # its gradient sum (or none) would reach the split weights too
             raise ValueError(f"{type(matched[w][1]).__name__} at {w!r} holds {inner[0]!r}, "
                              f"which the plan splits; give the whole-weight style to the "
                              f"modules that hold whole weights only")
@@ -218,7 +256,8 @@ def _check_covered(module, matched):
         style = matched.get(name, (None, None))[1]
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
-        if any(name == w or name.startswith(w + ".") or w == "" for w in whole):
+        if any(name == w or (w not in own_only and (w == "" or name.startswith(w + ".")))
+               for w in whole):
             continue
         label = f"{name}.{own[0]}" if name else own[0]
         raise ValueError(
@@ -330,6 +369,8 @@ def _replacement(name, mod, style, group, overlap):
     """The module that takes `mod`'s place (or `mod` itself, changed in place)."""
     where = f"{type(style).__name__} at {name!r}"
     if isinstance(style, ColwiseParallel):
+        if isinstance(mod, nn.Conv2d):
+            return PlannedConvColumn(mod, group, style.output_shape, style.split_dim, where)
         out = layout_or(style.output_layouts, Shard(-1))
         return PlannedColumn(mod, group, overlap,
                              sequence_dim(layout_or(style.input_layouts, Replicate()), "", where),
@@ -339,6 +380,8 @@ def _replacement(name, mod, style, group, overlap):
         out = sequence_dim(layout_or(style.output_layouts, Replicate()), "", where)
         if isinstance(mod, nn.Embedding):
             return PlannedEmbedding(mod, group, out, where)
+        if isinstance(mod, nn.Conv2d):
+            return PlannedConvRow(mod, group, where)
         return PlannedRow(mod, group, overlap, out, where)
     if isinstance(style, PrepareModuleInput):
         mod.register_forward_pre_hook(prepare_hook(style, group, where), with_kwargs=True)

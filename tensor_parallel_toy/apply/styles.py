@@ -15,7 +15,8 @@ from .layers import redistribute
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ColwiseParallel:
-    """An nn.Linear's output features split over the ranks (PlannedColumn)."""
+    """An nn.Linear's output features split over the ranks (PlannedColumn; a 1x1 nn.Conv2d's
+    output channels, PlannedConvColumn)."""
     input_layouts: object = None  # None: Replicate()
     output_layouts: object = None  # None: Shard(-1)
     use_local_output: bool = True  # only True: our outputs are plain local tensors

@@ -1,13 +1,14 @@
 """Classic tensor parallelism on a model of your own: a plain nn.Module whose blocks name their
-column and row layers, split over the ranks by `apply_tensor_parallel`, checked against the
-same model on one device.
+column and row layers, split over the ranks by `apply_tensor_parallel` (the plan
+`classic_plan(model)` reads from those names, carried out by `parallelize_module`), checked
+against the same model on one device.
 
     python -m tensor_parallel_toy.examples.own_model_tp                     # 2 local CPU ranks
     torchrun --nproc-per-node 2 -m tensor_parallel_toy.examples.own_model_tp
 
-Prints the largest difference from the one-device model in the output and in the gradients
-(every parameter, each rank's slice of a split one); exits non-zero when one is above the
-tolerance.
+Prints the plan, then the largest difference from the one-device model in the output and in
+the gradients (every parameter, each rank's slice of a split one); exits non-zero when one is
+above the tolerance.
 """
 import copy
 import os
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel, sync_replicated_gradients
+from tensor_parallel_toy.apply.classic_tp import (apply_tensor_parallel, classic_plan,
+                                                  sync_replicated_gradients)
 from tensor_parallel_toy import launch
 from tensor_parallel_toy.support.sharding import named_layouts, tensor_parallel_dim
 
@@ -55,7 +57,7 @@ def run_rank():
     x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
     # Each rank keeps its slices; after the first backward the ranks compare their gradients
     # of every weight left whole (norms, biases, the head), which must be equal.
-    model = apply_tensor_parallel(copy.deepcopy(baseline), group, check_replicated_grads="first")
+    model = apply_tensor_parallel(copy.deepcopy(baseline), group)
     out, want = model(x), baseline(x)
     nn.functional.cross_entropy(out, y).backward()
     nn.functional.cross_entropy(want, y).backward()
@@ -73,6 +75,9 @@ def run_rank():
 
 
 def report(result):
+    print("the plan apply_tensor_parallel carries out, read from tp_column / tp_row:")
+    for name, style in classic_plan(MyModel()).items():
+        print(f"  {name}: {type(style).__name__}()")
     print(f"output: max difference from one device {result['output']:.2g}")
     print(f"gradients: max difference from one device {result['gradients']:.2g}")
     worst = max(result.values())

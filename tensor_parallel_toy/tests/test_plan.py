@@ -236,10 +236,10 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
 
 
 # ----------------------------------------------------------------------------------------------
-# The classic opt-in (apply_tensor_parallel) on the same model: a fused c_attn needs its shape
+# The classic opt-in (classic_plan) on the same model: a fused c_attn needs its shape
 # ----------------------------------------------------------------------------------------------
 def _on_rank_classic_opt_in(declare_shape):
-    from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel
+    from tensor_parallel_toy.apply.classic_tp import classic_plan
 
     config = ex.CONFIG
 
@@ -247,10 +247,13 @@ def _on_rank_classic_opt_in(declare_shape):
         for block in model.transformer.h:
             block.attn.tp_column, block.attn.tp_row = "c_attn", "c_proj"
             block.mlp.tp_column, block.mlp.tp_row = "c_fc", "c_proj"
-            if declare_shape:
-                hd = config.n_embd // config.n_head
-                block.attn.tp_column_shapes = {"c_attn": ((3, config.n_head, hd), 1)}
-        return apply_tensor_parallel(model, group, check_replicated_grads="first")
+        plan = classic_plan(model)
+        if declare_shape:
+            hd = config.n_embd // config.n_head
+            for key in plan:
+                if key.endswith("attn.c_attn"):
+                    plan[key] = ColwiseParallel(output_shape=(3, config.n_head, hd), split_dim=1)
+        return parallelize_module(model, group, plan)
 
     report = compare_with_one_device(lambda: ex.GPT(config), opt_in, ex.batch_of(0),
                                      ex.gpt_loss)
@@ -348,12 +351,14 @@ def test_fused_gate_up_is_exact_split_per_half_and_reported_as_plain_rows(pools)
 
 
 def test_classic_opt_in_refuses_an_output_shape_that_does_not_fit_the_layer():
-    from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel
+    from tensor_parallel_toy.apply.classic_tp import classic_plan
 
     gpt = ex.GPT(ex.CONFIG)
     attn = gpt.transformer.h[0].attn
     attn.tp_column, attn.tp_row = "c_attn", "c_proj"
-    attn.tp_column_shapes = {"c_attn": ((3, 12, 5), 1)}
+    plan = classic_plan(gpt)
+    plan["transformer.h.0.attn.c_attn"] = ColwiseParallel(output_shape=(3, 12, 5), split_dim=1)
     with pytest.raises(ValueError) as info:
-        apply_tensor_parallel(gpt, None)
-    assert_one_line(str(info.value), ["'c_attn'", "(3, 12, 5)", "144 outputs"], "bad shape")
+        parallelize_module(gpt, None, plan)
+    assert_one_line(str(info.value), ["'transformer.h.0.attn.c_attn'", "(3, 12, 5)",
+                                      "out_features=144"], "bad shape")

@@ -6,7 +6,9 @@ sum from a correct model, at TP 2:
 - Qwen3 under PyTorch's DTensor plan with the q/k-norm entries left out of the plan (applied
   with `parallelize_module` directly, since `parallelize_hf_model` refuses such a plan);
 - our Transformer with the norms' `f` (`copy_to_tensor_parallel_region` in RMSNorm) replaced
-  by the identity.
+  by the identity;
+and a third, on the classic-TP door with its default options: a block's own scalar gain applied
+to the split hidden features between its column and row layer.
 On every rank the first backward raises, naming the first parameter whose ranks disagree. The
 correct models (ours with q/k norms, classic TP on a model of one's own, Qwen3 and Llama under
 the DTensor plan, before and after `reduce_partial_grads`) pass the same check, which really
@@ -195,6 +197,39 @@ def test_ranks_asking_for_different_guards_are_refused_at_construction(pools):
         for name, message in messages.items():
             assert message is not None and "check_replicated_grads: first on rank 0, None on " \
                 "rank 1" in message, f"{name}: {message!r}"
+
+
+def _on_rank_classic_trap():
+    """Classic TP with its default options, on a block whose own scalar gain multiplies the
+    split hidden features between its column and row layer: the preset keeps the gain whole
+    (NoParallel), each rank's gradient of it sums over its own features only."""
+    import torch.nn as nn
+
+    from tensor_parallel_toy.apply.classic_tp import apply_tensor_parallel
+
+    class GainedFeedForward(nn.Module):
+        tp_column, tp_row = "up", "down"
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.gain = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.down(self.gain * F.gelu(self.up(x)))  # gain on [..., 16/p]
+
+    torch.manual_seed(0)
+    model = apply_tensor_parallel(nn.Sequential(nn.Linear(4, 8), GainedFeedForward()),
+                                  dist.group.WORLD)
+    x = torch.randn(2, 3, 4)
+    return _error_of(lambda: model(x).square().sum().backward())
+
+
+def test_classic_tp_catches_a_weight_between_its_split_layers_by_default(pools):
+    for rank, message in enumerate(pools(2).run(_on_rank_classic_trap)):
+        assert message is not None, f"rank {rank}: the default guard did not fire"
+        assert "'1.gain'" in message and "different gradients" in message and \
+            "\n" not in message, f"rank {rank}: {message!r}"
 
 
 def _on_rank_non_finite():
