@@ -22,6 +22,8 @@ import pytest
 PACKAGE = "tensor_parallel_toy"
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READING_PATH_MAX_CODE_LINES = 650
+# The harness's rooms, one job each: running the modes, measuring, the wires, reporting.
+HARNESS_ROOMS = ("run", "measure", "wires", "report")
 
 
 def _modules(package_dir):
@@ -132,8 +134,13 @@ def test_the_rooms_exist_and_the_library_readme_names_every_module():
     with open(os.path.join(PACKAGE_DIR, "README.md"), encoding="utf-8") as f:
         first_cells = re.findall(r"^\|([^|]*)\|", f.read(), flags=re.M)
     named = {n for cell in first_cells for n in re.findall(r"`([\w/]+\.py)`", cell)}
-    harness = sorted(f for f in os.listdir(os.path.join(PACKAGE_DIR, "profiling"))
-                     if f.endswith(".py") and f != "__init__.py")
+    # The harness's modules by their path inside profiling/: cli.py, run/train.py, ...
+    harness_dir = os.path.join(PACKAGE_DIR, "profiling")
+    for room in HARNESS_ROOMS:
+        assert os.path.isfile(os.path.join(harness_dir, room, "__init__.py")), f"profiling/{room}"
+    harness = sorted(os.path.relpath(os.path.join(folder, f), harness_dir).replace(os.sep, "/")
+                     for folder, _, files in os.walk(harness_dir) for f in files
+                     if f.endswith(".py") and f != "__init__.py" and "__pycache__" not in folder)
     modules = {f for f in library if f != "__init__.py"} | set(harness)
     modules |= {f"post/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "post"))
                 if f.endswith(".py") and f != "__init__.py"}

@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases, report
-from tensor_parallel_toy.profiling.timeline import nccl_kernel_us
-from tensor_parallel_toy.profiling import data
-from tensor_parallel_toy.profiling.bench_overlap import OPS
-from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
+from tensor_parallel_toy.profiling.measure.bench_overlap import OPS
+from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes, ratio_interval
+from tensor_parallel_toy.profiling.measure.timeline import nccl_kernel_us
+from tensor_parallel_toy.profiling.report import report
+from tensor_parallel_toy.profiling.run import data, phases
+from tensor_parallel_toy.profiling.run.train import interleaved_order
 from tensor_parallel_toy.profiling.spec import MODELS, MODES
-from tensor_parallel_toy.profiling.train import interleaved_order
 
 from .collective_guard import GuardedRunner, guarded_call
 from .helpers import BACKENDS
@@ -329,7 +329,7 @@ def _on_rank_recorded_transfers(overlap):
     import torch.distributed as dist
 
     from tensor_parallel_toy import ModelConfig, Transformer, guard
-    from tensor_parallel_toy.profiling.timeline import Clock, record_into
+    from tensor_parallel_toy.profiling.measure.timeline import Clock, record_into
 
     config = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
                          ffn_hidden_size=32, max_seq_len=8)
@@ -442,7 +442,7 @@ def _on_rank_calibrate():
     import torch.distributed as dist
 
     from tensor_parallel_toy.launcher.initialize import current_device
-    from tensor_parallel_toy.profiling.bench_overlap import choose_ffn
+    from tensor_parallel_toy.profiling.measure.bench_overlap import choose_ffn
     return choose_ffn(16, 2, 32, dist.group.WORLD, current_device(), torch.float32)
 
 

@@ -32,9 +32,9 @@ import time
 
 import torch.distributed as dist
 
+from ..measure.transfers import nbytes, sent_by_ring_step, wrapped
 from . import shared_wire
 from .link import UNITS
-from .transfers import nbytes, sent_by_ring_step, wrapped
 
 PREFIX = "model:"
 LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3}
