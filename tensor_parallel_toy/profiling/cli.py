@@ -286,7 +286,7 @@ def _check_wire(args, env):
 
 def _check_hf_dtensor(config, tp):
     """What the hf_dtensor mode cannot run, as a ValueError, without building the model: the
-    plan's checks on the sizes its LlamaConfig will have (hf_llama.py)."""
+    plan's checks on the sizes its LlamaConfig will have (run/hf_llama.py)."""
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
                          "requirements.txt), or leave it out of --modes")

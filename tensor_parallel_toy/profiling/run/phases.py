@@ -3,7 +3,7 @@
 `run_phases(runner, args)` runs, on every rank, the interleaved training of all modes
 (train.py), one step of classic TP without sequence parallelism for its memory (tp_no_sp.py),
 the per-op overlap benchmark and the timeline, and turns the per-rank numbers into
-results.json's sections (report.py). A runner is where the ranks are: a local `WorkerPool`
+results.json's sections (report/report.py). A runner is where the ranks are: a local `WorkerPool`
 (`PoolRunner`) or the ranks of a torchrun job, this process being one of them
 (`TorchrunRunner`). `write_outputs` renders every file into a staging folder and moves them
 into place.

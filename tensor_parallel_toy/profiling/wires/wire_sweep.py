@@ -17,7 +17,7 @@ against three lines a learner can read off:
 
 The wire is a model (it costs the cores nothing, the host sleeps while bytes are "on the
 wire"), so this shows what the schedule can hide, not what this machine's software wire
-allows (the veth sweep, sweep.py, measures that).
+allows (the veth sweep, link_sweep.py, measures that).
 """
 import json
 import os
