@@ -26,7 +26,7 @@ def _config(hidden=32):
 
 
 class _Counter:
-    """A recording that counts the transfers and their bytes (see profiling/measure/transfers.py)."""
+    """A recording that counts the transfers and their bytes (profiling/measure/transfers.py)."""
 
     def __init__(self):
         self.kinds, self.bytes = [], 0

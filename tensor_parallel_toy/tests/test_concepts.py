@@ -17,9 +17,8 @@ import torch.distributed as dist
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.post import concepts
-from tensor_parallel_toy.profiling.measure.memory_model import (bf16_extra_bytes, block_saved_elements,
-                                                        model_saved_bytes, model_saved_elements,
-                                                        profile_shape)
+from tensor_parallel_toy.profiling.measure.memory_model import (
+    bf16_extra_bytes, block_saved_elements, model_saved_bytes, model_saved_elements, profile_shape)
 from tensor_parallel_toy.rotary import apply_rotary
 from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes
 from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
