@@ -12,5 +12,5 @@
                       (targets.json, data), the pictures, atomic files
 
 Every room may read spec.py; between the rooms imports run one way, cli -> run -> wires ->
-report -> measure (a room may skip those between), never back.
+report -> measure (a room may skip those between), never back (tests/test_layout.py).
 """
