@@ -118,6 +118,26 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
     assert "a transfer there is CPU work" not in text and ", posting" not in text, text
 
 
+def test_the_targets_are_data_the_report_reads(monkeypatch):
+    """The committed run's targets come back word for word from targets.json; a bound changed
+    there changes the text and the verdict, so no bound is left in the report's code."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "blog", "results", "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    assert report.evaluate_targets(results) == results["targets"]
+    changed = json.loads(json.dumps(report.TARGETS))
+    changed["overlap_vs_dtensor"]["bound"] = 0.5
+    changed["overlap_vs_tp_loopback"]["bound"] = 0.25
+    changed["loss_vs_baseline"]["relative_error"] = 1e-9
+    monkeypatch.setattr(report, "TARGETS", changed)
+    verdicts = {t["name"]: t["met"] for t in report.evaluate_targets(results)}
+    assert verdicts == {
+        "forward AG+GEMM overlapped <= 1.2 x max(comm, GEMM)": None,
+        "tp_overlap / tp step time <= 0.25 (overlap never costs time), whole interval": False,
+        "tp_overlap / dtensor step time <= 0.5, whole interval": False,
+        "per-step loss of every TP mode within 1e-9 relative of baseline": False}, verdicts
+
+
 def test_modes_are_interleaved_each_first_equally_often_in_one_order_on_every_rank():
     orders = [interleaved_order(MODES, step) for step in range(2 * len(MODES))]
     assert all(sorted(o) == sorted(MODES) for o in orders), orders
