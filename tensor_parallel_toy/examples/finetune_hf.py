@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy import (Transformer, from_hf, full_state_dict, guard,
                                  load_full_state_dict, to_hf)
-from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
+from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
 # Small enough for a laptop CPU, shaped like the real ones: Llama 3.2 (llama3 rope scaling, a
 # head tied to the embedding, 4 query heads per k/v head) and Qwen3 (per-head q/k norms, a

@@ -17,7 +17,7 @@ from tensor_parallel_toy import ModelConfig, Transformer, guard, launch, load_fu
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.interop.data_parallel import (apply_fsdp, data_parallel_loss, init_mesh_2d,
                                                split_batch)
-from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
+from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                      ffn_hidden_size=64, max_seq_len=32)

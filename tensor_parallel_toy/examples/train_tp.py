@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tensor_parallel_toy import ModelConfig, Transformer, guard, launch, load_full_state_dict
-from tensor_parallel_toy.profiling.data import CORPUS_VOCAB, batch, make_corpus
+from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                      ffn_hidden_size=64, max_seq_len=32)

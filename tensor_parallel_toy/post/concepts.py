@@ -13,7 +13,7 @@ import sys
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
-from ..profiling import memory_model
+from ..profiling.measure import memory_model
 from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_reduce_scatter
 from .sketch import (COMM, RANK_EDGE, RANK_FILL, SOURCE_KEY, SUM, WIDTH_IN, arrow, box, canvas,
                      rounded, save, source_hash, styled)

@@ -3,7 +3,7 @@
     python -m tensor_parallel_toy.post.redraw blog
 
 draws every PNG the posts show from a results file beside it, with the profile's own plotting
-code (`profiling/plots.py`): the default run's in `blog/results/`, and the emulated link's
+code (`profiling/report/plots.py`): the default run's in `blog/results/`, and the emulated link's
 sweep and block timeline in `blog/link/`. Use it after changing how a figure is drawn; a new
 measurement (`bash run_profile.sh --out blog/results`) draws them itself.
 """
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ..profiling import plots, report
+from ..profiling.report import plots, report
 
 
 def _load(path):

@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from ..profiling.metrics import MiB
+from ..profiling.measure.metrics import MiB
 from . import envelope
 
 POSTS = ("part1-tp-and-sp.md", "part2-overlap-and-real-models.md")
@@ -133,7 +133,7 @@ def derived(data):
     """Named numbers that are not one entry of a results file: computed from them or from the
     package's formulas. Each is computed once, here."""
     from ..config import ModelConfig
-    from ..profiling import memory_model
+    from ..profiling.measure import memory_model
 
     out = worked_example()
     out.update(envelope.named())
@@ -185,7 +185,7 @@ def derived(data):
     ops = run["overlap_benchmark"]["ops"].values()
     out["bench.transport_ms"] = f"{sum(o['t_basic_ms'] - o['t_seq_ms'] for o in ops):.2f}"
     out["bench.overlap_ms"] = f"{sum(o['t_seq_ms'] - o['t_overlap_ms'] for o in ops):.2f}"
-    from ..profiling.bench_overlap import TARGET_COMM_OVER_GEMM
+    from ..profiling.measure.bench_overlap import TARGET_COMM_OVER_GEMM
     out["bench.comm_over_gemm"] = f"{TARGET_COMM_OVER_GEMM:g}"
     out["bench.nothing_hidden"] = f"{1 + TARGET_COMM_OVER_GEMM:g}"
     if "sweep" in data:  # tp_overlap's step time over the larger of the sweep's two limits

@@ -16,10 +16,10 @@ matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 
-from ..profiling.output import atomic_path  # noqa: E402
+from ..profiling.report.output import atomic_path  # noqa: E402
 
 FIGURE_SOURCES = ("post/sketch.py", "post/concepts.py", "post/concepts_rings.py",
-                  "profiling/memory_model.py")  # relative to the package
+                  "profiling/measure/memory_model.py")  # relative to the package
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_KEY = "Source-SHA256"
 WIDTH_IN, DPI = 8.2, 110  # about 900 pixels wide: the blog's column

@@ -1,0 +1,16 @@
+"""The measuring harness behind `python -m tensor_parallel_toy profile`, one room per job.
+
+    cli.py, spec.py   the command: its flags, checked, and the typed run every phase receives
+    run/              running the modes: the phases on the ranks, the interleaved training,
+                      its data, the Hugging Face mode, classic TP without SP for its memory
+    measure/          measuring: memory and timing meters, the per-op overlap benchmark, the
+                      timeline of one block, every transfer seen from outside, the memory model
+    wires/            the wires the ranks talk over: an emulated link (network namespaces, a
+                      shaped veth) and a modeled one (shared memory, arrival times), and the
+                      sweeps over their rates
+    report/           reporting: results.json's sections, the summary, the targets
+                      (targets.json, data), the pictures, atomic files
+
+Every room may read spec.py; between the rooms imports run one way, cli -> run -> wires ->
+report -> measure (a room may skip those between), never back (tests/test_layout.py).
+"""

@@ -3,10 +3,11 @@ side, benchmark the overlap op by op, record a timeline, and write it all to a r
 
 Every flag is checked before any process starts: a bad value is one line on stderr and exit
 status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
-each rank runs the same phases (phases.py) and rank 0 gathers the numbers and writes the
+each rank runs the same phases (run/phases.py) and rank 0 gathers the numbers and writes the
 files. With
 `--link RATE` (Linux, root) each rank runs that torchrun path in its own network namespace
-behind a shaped link (link.py); several rates make a sweep over them (sweep.py).
+behind a shaped link (wires/link.py); several rates make a sweep over them
+(wires/link_sweep.py).
 
     results/results.json   every number, the config, versions, device, backend, world size
     results/summary.txt    the table printed at the end, with the targets
@@ -28,11 +29,12 @@ import torch
 from ..interop import dtensor_tp
 from ..config import ModelConfig
 from ..launcher.initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
-from . import link, report, sweep, wire, wire_sweep
-from .data import CORPUS_VOCAB
-from .phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases, under_torchrun,
-                     write_outputs)
+from .report import report
+from .run.data import CORPUS_VOCAB
+from .run.phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases,
+                         under_torchrun, write_outputs)
 from .spec import DTYPES, MODEL_DEFAULTS, MODELS, MODES, ProfileSpec
+from .wires import link, link_sweep, wire, wire_sweep
 
 PROG = "python -m tensor_parallel_toy profile"
 
@@ -142,10 +144,11 @@ def build_parser():
     p.add_argument("--link", default=None, metavar="RATE", help="Linux, as root: run each TP "
                    "rank in its own network namespace, the ranks joined by a link shaped to "
                    "RATE (e.g. 4gbit, 500mbit) with tc tbf, as if on separate hosts (see "
-                   "profiling/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep of tp "
-                   "and tp_overlap over them and loopback, written to sweep.json and sweep.png. "
+                   "profiling/wires/link.py). Several rates (1gbit,2gbit,4gbit,8gbit): a sweep "
+                   "of tp and tp_overlap over them and loopback, written to sweep.json and "
+                   "sweep.png. "
                    "model:RATE[:LATENCY] (e.g. model:1gbit, model:4gbit:50us): a model of a "
-                   "wire that costs the cores nothing, no root needed (profiling/wire.py); "
+                   "wire that costs the cores nothing, no root needed (profiling/wires/wire.py); "
                    "several (model:0.25gbit,1gbit,4gbit): the column forward swept over "
                    "them and over ring pieces, wire_sweep.json and wire_sweep.png")
     p.add_argument("--ring-pieces", type=int, default=d.ring_pieces, metavar="M",
@@ -283,7 +286,7 @@ def _check_wire(args, env):
 
 def _check_hf_dtensor(config, tp):
     """What the hf_dtensor mode cannot run, as a ValueError, without building the model: the
-    plan's checks on the sizes its LlamaConfig will have (hf_llama.py)."""
+    plan's checks on the sizes its LlamaConfig will have (run/hf_llama.py)."""
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("the hf_dtensor mode needs transformers (pip install -r "
                          "requirements.txt), or leave it out of --modes")
@@ -416,7 +419,7 @@ def _run_on_link(args, argv):
     try:
         link.check_host()
         if len(args.link_rates) > 1:
-            return sweep.run(argv, args, threads)
+            return link_sweep.run(argv, args, threads)
         (bps, rate), = args.link_rates
         with link.EmulatedLink(args.tp, bps, rate) as net:
             print(report.link_text(net.describe()), flush=True)

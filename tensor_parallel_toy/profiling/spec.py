@@ -30,7 +30,7 @@ SEQ = 128  # the sequence length, which is also the model's max_seq_len
 class ProfileSpec:
     config: ModelConfig = ModelConfig(**MODEL_DEFAULTS, max_seq_len=SEQ)
     tp: int = 2
-    dp: int = 1  # data-parallel size: dp > 1 makes the TP modes 2-D, dp x tp ranks (train.py)
+    dp: int = 1  # data-parallel size: dp > 1 makes the TP modes 2-D, dp x tp ranks (run/train.py)
     steps: int = 60  # training steps per mode
     warmup: int = 5  # first steps left out of the timing statistics (at least 1)
     batch: int = 8  # global batch size

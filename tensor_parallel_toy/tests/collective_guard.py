@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy import comm
 from tensor_parallel_toy.guards import collectives
-from tensor_parallel_toy.profiling import transfers
+from tensor_parallel_toy.profiling.measure import transfers
 
 # The communication entry points of torch.distributed that a module might call. Not isend and
 # irecv: P2POp accepts only the originals as its op (comm.send_recv passes them to P2POp, and
@@ -105,7 +105,7 @@ def guarded_call(fn, *args):
 
 
 class GuardedRunner:
-    """A phases runner (see profiling/phases.py) over a local pool whose every phase runs with
+    """A phases runner (see profiling/run/phases.py) over a local pool whose every phase runs with
     the guard on in every rank; `violations` collects what the ranks found."""
 
     def __init__(self, pool_runner):

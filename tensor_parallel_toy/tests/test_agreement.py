@@ -11,7 +11,7 @@ from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelL
 from tensor_parallel_toy.support.sharding import full_grads
 from tensor_parallel_toy.guards.agreement import check_ranks_agree, module_fingerprint
 from tensor_parallel_toy.interop.data_parallel import init_mesh_2d
-from tensor_parallel_toy.profiling.transfers import recording
+from tensor_parallel_toy.profiling.measure.transfers import recording
 from tensor_parallel_toy.tests.helpers import (MODEL_FP32_TOL, assert_errors, max_rel_error,
                                             value_error_messages, world)
 
@@ -26,7 +26,7 @@ def _config(hidden=32):
 
 
 class _Counter:
-    """A recording that counts the transfers and their bytes (see profiling/transfers.py)."""
+    """A recording that counts the transfers and their bytes (profiling/measure/transfers.py)."""
 
     def __init__(self):
         self.kinds, self.bytes = [], 0

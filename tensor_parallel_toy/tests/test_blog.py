@@ -234,7 +234,7 @@ def test_excerpt_checker_catches_drift(tmp_path, post, expected):
 def test_summary_txt_is_the_committed_results_json():
     import json
 
-    from tensor_parallel_toy.profiling import report
+    from tensor_parallel_toy.profiling.report import report
 
     for folder in ("results", "llama", "2d"):
         path = os.path.join(BLOG, folder, "results.json")
@@ -250,7 +250,7 @@ def test_targets_in_results_json_are_what_their_numbers_give_today():
     files must be re-rendered (their numbers kept) so that summary.txt prints the new one."""
     import json
 
-    from tensor_parallel_toy.profiling import report
+    from tensor_parallel_toy.profiling.report import report
 
     for folder in ("results", "llama", "2d"):
         path = os.path.join(BLOG, folder, "results.json")

@@ -17,13 +17,12 @@ import torch.distributed as dist
 from tensor_parallel_toy.config import ModelConfig
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.post import concepts
-from tensor_parallel_toy.profiling.memory_model import (bf16_extra_bytes, block_saved_elements,
-                                                        model_saved_bytes, model_saved_elements,
-                                                        profile_shape)
+from tensor_parallel_toy.profiling.measure.memory_model import (
+    bf16_extra_bytes, block_saved_elements, model_saved_bytes, model_saved_elements, profile_shape)
 from tensor_parallel_toy.rotary import apply_rotary
-from tensor_parallel_toy.profiling.metrics import SavedActivationBytes
+from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes
 from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
-from tensor_parallel_toy.profiling.tp_no_sp import classic_tp_model
+from tensor_parallel_toy.profiling.run.tp_no_sp import classic_tp_model
 
 from .helpers import max_rel_error
 

@@ -10,6 +10,8 @@
   of that very module (`tests/test_X.py` of module `X`) aside. A module that needs another's
   private name is a sign the boundary between them is in the wrong place.
 - No test file imports from another test file: what tests share lives in `tests/helpers.py`.
+- Inside the harness, imports run one way: cli -> run/ -> wires/ -> report/ -> measure/ (any
+  of them may read spec.py), never back up.
 """
 import ast
 import io
@@ -22,6 +24,10 @@ import pytest
 PACKAGE = "tensor_parallel_toy"
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READING_PATH_MAX_CODE_LINES = 650
+# The harness's rooms, one job each: running the modes, measuring, the wires, reporting.
+HARNESS_ROOMS = ("run", "measure", "wires", "report")
+# Between the harness's parts imports run down this list, never up it; spec.py is for all.
+HARNESS_ORDER = ("cli", "run", "wires", "report", "measure")
 
 
 def _modules(package_dir):
@@ -121,6 +127,60 @@ def layout_problems(package_dir):
     return problems
 
 
+def harness_order_problems(package_dir):
+    """One line per import from a harness part to one above it in HARNESS_ORDER (measure/
+    importing report/, report/ importing run/...), function-level imports included."""
+    modules = _modules(package_dir)
+    packages = {m for m, path in modules.items() if path.endswith("__init__.py")}
+
+    def part(name):
+        parts = name.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == [PACKAGE, "profiling"] else None
+
+    problems = []
+    for module, path in sorted(modules.items()):
+        if part(module) not in HARNESS_ORDER:
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node, packages)
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if (part(target) in HARNESS_ORDER and HARNESS_ORDER.index(part(target))
+                        < HARNESS_ORDER.index(part(module))):
+                    problems.append(f"{os.path.relpath(path, os.path.dirname(package_dir))}:"
+                                    f"{node.lineno}: {part(module)} imports {target}, above it "
+                                    f"in {' -> '.join(HARNESS_ORDER)}")
+    return problems
+
+
+def test_the_harness_rooms_import_one_way():
+    problems = harness_order_problems(PACKAGE_DIR)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("text", ["from ..report import plots\n",
+                                  "def f():\n    from ..run.train import run_modes\n",
+                                  "import tensor_parallel_toy.profiling.cli\n"])
+def test_the_harness_order_check_catches_an_import_upwards(tmp_path, text):
+    harness = tmp_path / PACKAGE / "profiling"
+    for room in HARNESS_ROOMS:
+        (harness / room).mkdir(parents=True)
+        (harness / room / "__init__.py").write_text("")
+    for name in ("__init__.py", "profiling/__init__.py", "profiling/cli.py",
+                 "profiling/spec.py", "profiling/report/plots.py", "profiling/run/train.py"):
+        (tmp_path / PACKAGE / name).write_text("")
+    (harness / "measure" / "metrics.py").write_text("from ..spec import SEQ\n" + text)
+    assert len(harness_order_problems(str(tmp_path / PACKAGE))) == 1
+
+
 def test_the_rooms_exist_and_the_library_readme_names_every_module():
     for room in ("profiling", "post", "tests"):
         assert os.path.isfile(os.path.join(PACKAGE_DIR, room, "__init__.py")), room
@@ -132,8 +192,13 @@ def test_the_rooms_exist_and_the_library_readme_names_every_module():
     with open(os.path.join(PACKAGE_DIR, "README.md"), encoding="utf-8") as f:
         first_cells = re.findall(r"^\|([^|]*)\|", f.read(), flags=re.M)
     named = {n for cell in first_cells for n in re.findall(r"`([\w/]+\.py)`", cell)}
-    harness = sorted(f for f in os.listdir(os.path.join(PACKAGE_DIR, "profiling"))
-                     if f.endswith(".py") and f != "__init__.py")
+    # The harness's modules by their path inside profiling/: cli.py, run/train.py, ...
+    harness_dir = os.path.join(PACKAGE_DIR, "profiling")
+    for room in HARNESS_ROOMS:
+        assert os.path.isfile(os.path.join(harness_dir, room, "__init__.py")), f"profiling/{room}"
+    harness = sorted(os.path.relpath(os.path.join(folder, f), harness_dir).replace(os.sep, "/")
+                     for folder, _, files in os.walk(harness_dir) for f in files
+                     if f.endswith(".py") and f != "__init__.py" and "__pycache__" not in folder)
     modules = {f for f in library if f != "__init__.py"} | set(harness)
     modules |= {f"post/{f}" for f in os.listdir(os.path.join(PACKAGE_DIR, "post"))
                 if f.endswith(".py") and f != "__init__.py"}

@@ -1,4 +1,4 @@
-"""`profile --link`: the emulated multi-host link (profiling/link.py).
+"""`profile --link`: the emulated multi-host link (profiling/wires/link.py).
 
 Flag errors and refusals need nothing special. The runs over the link need Linux, root, `ip`
 and `tc` (CI runs as root) and are skipped with the reason otherwise; each checks afterwards
@@ -15,8 +15,8 @@ import time
 import pytest
 
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases
-from tensor_parallel_toy.profiling import link, sweep
+from tensor_parallel_toy.profiling.run import phases
+from tensor_parallel_toy.profiling.wires import link, link_sweep
 
 TINY = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
         "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "0",
@@ -147,7 +147,7 @@ def test_two_ranks_over_the_link_train_exactly_as_over_loopback(pools, tmp_path,
     # Each step's bytes on the wire, read from the interface: at least what the shapes say the
     # ring sends. At this tiny size the step's small collectives (barrier, batch check, loss
     # and norm all-reduces) and the headers add ~20 KB to 30 KB (at the profile's sizes, +5 %).
-    derived = sweep.bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
+    derived = link_sweep.bytes_per_step(args.config, args.batch, args.seq, args.tp, args.dtype)
     sent = saved["modes"]["tp_overlap"]["sent_bytes_per_step"]
     assert derived <= sent <= 2 * derived, f"sent {sent} B per step, derived {derived} B"
     loopback = phases.run_phases(phases.PoolRunner(pools(2)), args)

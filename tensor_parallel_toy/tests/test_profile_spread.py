@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from tensor_parallel_toy.profiling import bench_overlap, plots, report, timeline
+from tensor_parallel_toy.profiling.measure import bench_overlap, timeline
+from tensor_parallel_toy.profiling.report import plots, report
 
 KEYS = ("median", "p10", "p90", "min", "max", "n", "values")
 

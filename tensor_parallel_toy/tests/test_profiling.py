@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases, report
-from tensor_parallel_toy.profiling.timeline import nccl_kernel_us
-from tensor_parallel_toy.profiling import data
-from tensor_parallel_toy.profiling.bench_overlap import OPS
-from tensor_parallel_toy.profiling.metrics import SavedActivationBytes, ratio_interval
+from tensor_parallel_toy.profiling.measure.bench_overlap import OPS
+from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes, ratio_interval
+from tensor_parallel_toy.profiling.measure.timeline import nccl_kernel_us
+from tensor_parallel_toy.profiling.report import report
+from tensor_parallel_toy.profiling.run import data, phases
+from tensor_parallel_toy.profiling.run.train import interleaved_order
 from tensor_parallel_toy.profiling.spec import MODELS, MODES
-from tensor_parallel_toy.profiling.train import interleaved_order
 
 from .collective_guard import GuardedRunner, guarded_call
 from .helpers import BACKENDS
@@ -116,6 +116,26 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
                   "bf16 GEMMs with fp32 output", "take SMs and memory bandwidth"):
         assert words in text, (words, text)
     assert "a transfer there is CPU work" not in text and ", posting" not in text, text
+
+
+def test_the_targets_are_data_the_report_reads(monkeypatch):
+    """The committed run's targets come back word for word from targets.json; a bound changed
+    there changes the text and the verdict, so no bound is left in the report's code."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "blog", "results", "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    assert report.evaluate_targets(results) == results["targets"]
+    changed = json.loads(json.dumps(report.TARGETS))
+    changed["overlap_vs_dtensor"]["bound"] = 0.5
+    changed["overlap_vs_tp_loopback"]["bound"] = 0.25
+    changed["loss_vs_baseline"]["relative_error"] = 1e-9
+    monkeypatch.setattr(report, "TARGETS", changed)
+    verdicts = {t["name"]: t["met"] for t in report.evaluate_targets(results)}
+    assert verdicts == {
+        "forward AG+GEMM overlapped <= 1.2 x max(comm, GEMM)": None,
+        "tp_overlap / tp step time <= 0.25 (overlap never costs time), whole interval": False,
+        "tp_overlap / dtensor step time <= 0.5, whole interval": False,
+        "per-step loss of every TP mode within 1e-9 relative of baseline": False}, verdicts
 
 
 def test_modes_are_interleaved_each_first_equally_often_in_one_order_on_every_rank():
@@ -329,7 +349,7 @@ def _on_rank_recorded_transfers(overlap):
     import torch.distributed as dist
 
     from tensor_parallel_toy import ModelConfig, Transformer, guard
-    from tensor_parallel_toy.profiling.timeline import Clock, record_into
+    from tensor_parallel_toy.profiling.measure.timeline import Clock, record_into
 
     config = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
                          ffn_hidden_size=32, max_seq_len=8)
@@ -442,7 +462,7 @@ def _on_rank_calibrate():
     import torch.distributed as dist
 
     from tensor_parallel_toy.launcher.initialize import current_device
-    from tensor_parallel_toy.profiling.bench_overlap import choose_ffn
+    from tensor_parallel_toy.profiling.measure.bench_overlap import choose_ffn
     return choose_ffn(16, 2, 32, dist.group.WORLD, current_device(), torch.float32)
 
 

@@ -1,4 +1,4 @@
-"""Classic TP without sequence parallelism, as the profile measures it (profiling/tp_no_sp.py).
+"""Classic TP without sequence parallelism, as the profile measures it (profiling/run/tp_no_sp.py).
 
 The baseline Transformer converted by `apply_tensor_parallel` must be the same model (the same
 loss and gradient norm on the step as the unsplit baseline, plain PyTorch on one rank), and
@@ -8,7 +8,7 @@ that is the bar the memory figure draws.
 import pytest
 
 from tensor_parallel_toy import ModelConfig
-from tensor_parallel_toy.profiling import train, tp_no_sp
+from tensor_parallel_toy.profiling.run import tp_no_sp, train
 from tensor_parallel_toy.profiling.spec import ProfileSpec
 
 

@@ -1,4 +1,4 @@
-"""The modeled wire of `profile --link model:RATE` (profiling/wire.py) and the ring's schedule
+"""The modeled wire of `profile --link model:RATE` (profiling/wires/wire.py) and the ring's schedule
 bound it is compared with (bench_overlap.schedule_time).
 
 The wire must deliver a transfer of a known size at its model's time (bytes / rate + latency,
@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.comm import all_gather_seq
 from tensor_parallel_toy.profiling import cli as profile
-from tensor_parallel_toy.profiling import phases, plots, shared_wire, wire, wire_sweep
-from tensor_parallel_toy.profiling.bench_overlap import schedule_time
+from tensor_parallel_toy.profiling.report import plots
+from tensor_parallel_toy.profiling.run import phases
+from tensor_parallel_toy.profiling.wires import shared_wire, wire, wire_sweep
+from tensor_parallel_toy.profiling.measure.bench_overlap import schedule_time
 from tensor_parallel_toy.profiling.spec import ProfileSpec
 from tensor_parallel_toy.ring import Ring
 
@@ -191,7 +193,7 @@ def test_ranks_calling_different_transfers_are_told_at_once(pools):
 
 def _on_rank_training_layers_pieces(pieces):
     from tensor_parallel_toy.parallel_linear import ColumnParallelLinear, RowParallelLinear
-    from tensor_parallel_toy.profiling import train
+    from tensor_parallel_toy.profiling.run import train
 
     spec = ProfileSpec(config=CONFIG, tp=2, ring_pieces=pieces)
     model = train.ModeRun("tp_overlap", spec, dist.group.WORLD, dist.get_rank()).model

@@ -1,7 +1,7 @@
 """`profile --link 1gbit,2gbit,4gbit,8gbit`: tp and tp_overlap at each link rate and over
 loopback, drawn against the two limits that say when overlap pays.
 
-Each rate is one ordinary `--link` run (profiling/link.py) of the modes tp and tp_overlap,
+Each rate is one ordinary `--link` run (link.py) of the modes tp and tp_overlap,
 interleaved step by step like every profile run, so each rate's ratio comes with its paired
 95 % interval; the loopback point is one ordinary local run of the same flags (with the
 timeline, for the compute limit). Each writes its own results folder under OUT/sweep/, and the
@@ -31,9 +31,10 @@ import os
 import subprocess
 import sys
 
-from . import link, plots
-from .metrics import MiB
-from .output import write_text
+from ..measure.metrics import MiB
+from ..report import plots
+from ..report.output import write_text
+from . import link
 
 MODES = ("tp", "tp_overlap")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -3,12 +3,11 @@
 `run_phases(runner, args)` runs, on every rank, the interleaved training of all modes
 (train.py), one step of classic TP without sequence parallelism for its memory (tp_no_sp.py),
 the per-op overlap benchmark and the timeline, and turns the per-rank numbers into
-results.json's sections (report.py). A runner is where the ranks are: a local `WorkerPool`
+results.json's sections (report/report.py). A runner is where the ranks are: a local `WorkerPool`
 (`PoolRunner`) or the ranks of a torchrun job, this process being one of them
 (`TorchrunRunner`). `write_outputs` renders every file into a staging folder and moves them
 into place.
 """
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -22,9 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..guards.collectives import all_gather_objects
-from . import bench_overlap, link, plots, report, timeline, tp_no_sp, train, wire
-from .output import write_text
+from ...guards.collectives import all_gather_objects
+from ..measure import bench_overlap, timeline
+from ..measure.metrics import keep_freed_memory
+from ..report import plots, report
+from ..report.output import write_text
+from ..wires import link, wire
+from . import tp_no_sp, train
 
 PHASE_TIMEOUT_S = 3600.0
 
@@ -46,26 +49,6 @@ def _threads(n=None):
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-def keep_freed_memory():
-    """Make this process keep the memory it frees for its next allocations, as PyTorch's CUDA
-    caching allocator does on a GPU (glibc's mallopt: no mmap below 1 GiB, no trimming).
-
-    PyTorch's CPU allocator hands large blocks back to the kernel, and the next block of that
-    size comes back as fresh pages that the kernel zeroes on first touch: measured here, a
-    column layer's 14 MB output cost 3,500 page faults, about 5 ms, half its GEMM, in some
-    steps and not others. Every mode of a profile run gets the same setting. Elsewhere than
-    glibc it does nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def _busy_cpu_seconds():
@@ -131,8 +114,8 @@ def _weight_grad_path(dtype):
     words (support/gemm.py's WeightGradAccumulator), for the results."""
     import torch
 
-    from ..launcher.initialize import current_device
-    from ..ring import has_fp32_out_gemm
+    from ...launcher.initialize import current_device
+    from ...ring import has_fp32_out_gemm
     if dtype == torch.float32:
         return "fp32 GEMMs into an fp32 sum"
     if has_fp32_out_gemm(current_device().type):

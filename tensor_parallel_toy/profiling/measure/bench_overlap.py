@@ -47,10 +47,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..guards.collectives import barrier, reduce_numbers
-from ..launcher.initialize import current_device
-from ..parallel_linear import column_parallel_linear, row_parallel_linear
-from ..ring import Ring, ring_all_gather, ring_reduce_scatter
+from ...guards.collectives import barrier, reduce_numbers
+from ...launcher.initialize import current_device
+from ...parallel_linear import column_parallel_linear, row_parallel_linear
+from ...ring import Ring, ring_all_gather, ring_reduce_scatter
 from .metrics import DeviceTimer
 from .metrics import summarize as distribution
 

@@ -1,12 +1,12 @@
-"""What `guard(model)` costs, measured: `python -m tensor_parallel_toy.profiling.guard_cost`.
+"""What `guard(model)` costs, measured.
 
-The profile's default model at TP 2 on local CPU ranks (gloo), trained the same way twice,
-interleaved step by step so that the machine's drift hits both alike: once guarded with the
-per-step checks only (the batch compared over the group, ids in range), once bare. Printed:
-each one-time cost (the ranks comparing what they built; the replicated gradients compared at
-the first backward) and the per-step cost, as the median of the per-step differences with
-their interquartile range, beside the median step, and the checks timed alone, on the slowest
-rank.
+`python -m tensor_parallel_toy.profiling.measure.guard_cost`: the profile's default model at TP
+2 on local CPU ranks (gloo), trained the same way twice, interleaved step by step so that the
+machine's drift hits both alike: once guarded with the per-step checks only (the batch compared
+over the group, ids in range), once bare. Printed: each one-time cost (the ranks comparing what
+they built; the replicated gradients compared at the first backward) and the per-step cost, as
+the median of the per-step differences with their interquartile range, beside the median step,
+and the checks timed alone, on the slowest rank.
 """
 import argparse
 import statistics
@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from ..guards import guard
-from ..guards.batch import check_batch
-from ..guards.collectives import barrier, reduce_numbers
-from ..guards.replicated_grads import check_replicated_gradients
-from ..launcher.initialize import launch
-from ..model import Transformer
-from .spec import ProfileSpec
+from ...guards import guard
+from ...guards.batch import check_batch
+from ...guards.collectives import barrier, reduce_numbers
+from ...guards.replicated_grads import check_replicated_gradients
+from ...launcher.initialize import launch
+from ...model import Transformer
+from ..spec import ProfileSpec
 
 
 def _step(model, ids, labels):
@@ -72,8 +72,9 @@ def _on_rank(steps, warmup):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tensor_parallel_toy.profiling.guard_cost",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tensor_parallel_toy.profiling.measure.guard_cost",
+        description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first")
     args = parser.parse_args(argv)

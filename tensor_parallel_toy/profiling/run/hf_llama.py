@@ -21,10 +21,10 @@ the profile's data, the padding the same on every row).
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from ..interop import dtensor_tp
-from ..config import ModelConfig
-from ..interop.hf_checkpoint import config_from_hf, to_hf
-from ..model import Transformer
+from ...config import ModelConfig
+from ...interop import dtensor_tp
+from ...interop.hf_checkpoint import config_from_hf, to_hf
+from ...model import Transformer
 
 
 def hf_llama_config(config: ModelConfig):

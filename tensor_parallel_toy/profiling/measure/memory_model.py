@@ -19,8 +19,8 @@ an fp32 softmax. `bf16_extra_bytes` counts them, and a test checks that the bf16
 the count at `bytes_per_element=2` plus that (the rotary embedding, which also computes in
 fp32, saves only its cos/sin tables).
 """
+from ..spec import MODEL_DEFAULTS, SEQ, ProfileSpec
 from .metrics import MiB
-from .spec import MODEL_DEFAULTS, SEQ, ProfileSpec
 
 SEQUENCE_PARALLEL = "sequence-parallel"  # this rank's s/p tokens (TP + SP)
 REPLICATED = "replicated"  # the full sequence on every rank (TP alone)

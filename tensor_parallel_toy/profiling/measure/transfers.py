@@ -17,7 +17,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from ..comm import Pending
+from ...comm import Pending
 
 # entry point -> (kind, where the tensor whose bytes count is among the positional arguments)
 COLLECTIVES = {"all_gather_single": ("all-gather", 1),

@@ -27,18 +27,18 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..interop import dtensor_tp
-from ..comm import all_reduce_
-from ..guards import guard
-from ..guards.collectives import barrier
-from ..interop.data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
-from ..launcher.initialize import current_device
-from ..model import Transformer
-from ..support.sharding import grad_norm
+from ...comm import all_reduce_
+from ...guards import guard
+from ...guards.collectives import barrier
+from ...interop import dtensor_tp
+from ...interop.data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
+from ...launcher.initialize import current_device
+from ...model import Transformer
+from ...support.sharding import grad_norm
+from ..measure.metrics import SavedActivationBytes, now, state_bytes
+from ..report.output import atomic_path
+from ..spec import MODES
 from . import data, hf_llama
-from .metrics import SavedActivationBytes, now, state_bytes
-from .output import atomic_path
-from .spec import MODES
 
 
 @functools.lru_cache(maxsize=4)
@@ -184,7 +184,7 @@ def run_modes(modes, spec):
 def _sent_bytes():
     """Bytes this host has sent on the network interface gloo uses (GLOO_SOCKET_IFNAME), or
     None when none is named (loopback runs). Read around each step, it gives the bytes a mode
-    really puts on the wire, headers included (see profiling/link.py)."""
+    really puts on the wire, headers included (see profiling/wires/link.py)."""
     name = os.environ.get("GLOO_SOCKET_IFNAME")
     if not name:
         return None

@@ -5,7 +5,7 @@ and tbf, whose CPU work lands on the same cores as both ranks' GEMMs: there a GE
 transfer runs slower, and what the overlap schedule itself can hide is hidden by that. On a GPU
 a transfer runs on NCCL's stream, a copy engine or a NIC, beside the GEMM. This module models
 such a wire inside each rank, from outside the library (it wraps torch.distributed's entry
-points, as transfers.py does):
+points, as measure/transfers.py does):
 
 - every transfer's bytes really move, so the results are the package's own, but through
   shared memory between the ranks (shared_wire.py: one copy in at the post, one copy out at
@@ -32,9 +32,9 @@ import time
 
 import torch.distributed as dist
 
+from ..measure.transfers import nbytes, sent_by_ring_step, wrapped
 from . import shared_wire
 from .link import UNITS
-from .transfers import nbytes, sent_by_ring_step, wrapped
 
 PREFIX = "model:"
 LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3}

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
-from .metrics import MiB  # noqa: E402
+from ..measure.metrics import MiB  # noqa: E402
 from .output import atomic_path  # noqa: E402
 
 STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the baseline

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..guards.collectives import barrier, reduce_numbers
-from ..launcher.initialize import current_device
-from ..model import TransformerBlock, draw_full_weights_, rotary_tables
-from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ...guards.collectives import barrier, reduce_numbers
+from ...launcher.initialize import current_device
+from ...model import TransformerBlock, draw_full_weights_, rotary_tables
+from ...parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .metrics import stamp
-from .transfers import recording
 from .metrics import summarize as distribution
+from .transfers import recording
 
 GEMM_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "linear"}
 SPAN_NAMES = {"ring": "send/recv"}  # a transfer's span is named by its kind, a ring step's so

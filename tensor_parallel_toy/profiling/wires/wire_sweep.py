@@ -17,7 +17,7 @@ against three lines a learner can read off:
 
 The wire is a model (it costs the cores nothing, the host sleeps while bytes are "on the
 wire"), so this shows what the schedule can hide, not what this machine's software wire
-allows (the veth sweep, sweep.py, measures that).
+allows (the veth sweep, link_sweep.py, measures that).
 """
 import json
 import os
@@ -25,13 +25,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..guards.collectives import reduce_numbers
-from ..launcher.initialize import WorkerPool, current_device
-from . import plots, wire
-from .bench_overlap import Op, median, schedule_time, timed
-from .output import write_text
-from .phases import keep_freed_memory
-from .spec import DTYPES
+from ...guards.collectives import reduce_numbers
+from ...launcher.initialize import WorkerPool, current_device
+from ..measure.bench_overlap import Op, median, schedule_time, timed
+from ..measure.metrics import keep_freed_memory
+from ..report import plots
+from ..report.output import write_text
+from ..spec import DTYPES
+from . import wire
 
 PIECES = (1, 2, 4, 8)
 ROUNDS = 15

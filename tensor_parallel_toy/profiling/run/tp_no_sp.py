@@ -25,10 +25,10 @@ The difference to the `tp` mode is therefore sequence parallelism plus the vocab
 """
 import torch.distributed as dist
 
-from ..apply.classic_tp import apply_tensor_parallel
-from ..launcher.initialize import current_device
+from ...apply.classic_tp import apply_tensor_parallel
+from ...launcher.initialize import current_device
+from ..measure.metrics import SavedActivationBytes
 from . import data
-from .metrics import SavedActivationBytes
 from .train import build_model, make_optimizer, train_step
 
 # The loss of the one step may differ from the baseline's by round-off only (the all-reduce

@@ -1,0 +1,3 @@
+"""Running the modes: the profile's phases on the ranks (a local pool or torchrun), every mode
+trained side by side and interleaved step by step, the corpus they train on, the Hugging Face
+mode, and one step of classic TP without sequence parallelism for its memory."""
