@@ -45,7 +45,8 @@ import torch.nn as nn
 
 from ..guards.collectives import reduce_numbers
 from ..parallel_linear import ColumnParallelLinear
-from ..support.sharding import shard, tensor_parallel_rows
+from ..parallel_linear import shard
+from ..support.sharding import tensor_parallel_rows
 from .layers import PlannedColumn, PlannedRow
 from .random import random_stream
 

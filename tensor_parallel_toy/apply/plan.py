@@ -111,7 +111,8 @@ from ..guards.guard import guard
 from ..comm import all_reduce_, group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
-from ..support.sharding import record_layouts, shard, split_rows, tensor_parallel_dim
+from ..parallel_linear import shard, split_rows
+from ..support.sharding import record_layouts, tensor_parallel_dim
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
 from .random import attach_random_stream

@@ -33,7 +33,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, RowwiseParallel, Sequenc
                                        rank_major_rows, torch_plan)
 from tensor_parallel_toy.apply.compare import relative_error
 from tensor_parallel_toy import launch
-from tensor_parallel_toy.support.sharding import shard
+from tensor_parallel_toy.parallel_linear import shard
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..comm import all_gather_dim, all_reduce_, group_rank, group_size
-from ..parallel_linear import RowSplit, full_shape, mark_tensor_parallel, shard, split_rows  # noqa: F401 (kernel names its clients import from here)
+from ..parallel_linear import RowSplit, full_shape, shard
 
 DEFAULT_INIT_STD = 0.02
 

@@ -27,7 +27,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, NoParallel, PrepareModul
                                        matching_modules, parallelize_module, torch_plan)
 from tensor_parallel_toy.comm import reduce_from_tensor_parallel_region
 from tensor_parallel_toy.examples import nanogpt_tp as ex
-from tensor_parallel_toy.support.sharding import shard
+from tensor_parallel_toy.parallel_linear import shard
 
 from .helpers import FP32_TOL, assert_errors, assert_one_line, max_rel_error, value_error_messages
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tensor_parallel_toy.apply import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                        SequenceParallel, parallelize_module)
-from tensor_parallel_toy.support.sharding import shard
+from tensor_parallel_toy.parallel_linear import shard
 
 from .helpers import FP32_TOL, assert_errors, max_rel_error, world
 
