@@ -3,9 +3,9 @@ styles.py, read and carried out by plan.py), classic TP's plan read from the blo
 declarations (classic_tp.py) and the check against one device (compare.py)."""
 from .classic_tp import apply_tensor_parallel, classic_plan, sync_replicated_gradients
 from .compare import Comparison, compare_with_one_device
-from .plan import matching_modules, parallelize_module, rank_major_rows, resolve_plan, torch_plan
+from .plan import matching_modules, parallelize_module, resolve_plan
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput, PrepareModuleOutput,
-                     RowwiseParallel, SequenceParallel)
+                     RowwiseParallel, SequenceParallel, rank_major_rows, torch_plan)
 
 __all__ = ["ColwiseParallel", "Comparison", "NoParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "apply_tensor_parallel",

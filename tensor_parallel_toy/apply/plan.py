@@ -111,7 +111,7 @@ from ..guards.guard import guard
 from ..comm import all_reduce_, group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
-from ..parallel_linear import shard, split_rows
+from ..parallel_linear import shard
 from ..support.sharding import record_layouts, tensor_parallel_dim
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
@@ -483,55 +483,6 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
                  check_replicated_grads=check_replicated_grads)
 
 
-# ----------------------------------------------------------------------------------------------
-# The same plan in PyTorch's own classes
-# ----------------------------------------------------------------------------------------------
-def torch_plan(plan):
-    """`plan` with each style replaced by PyTorch's class of the same name and arguments, for
-    `torch.distributed.tensor.parallel.parallelize_module`. PyTorch has no output_shape: a
-    ColwiseParallel with one splits the rows contiguously there, which equals ours only on a
-    weight whose rows were laid out rank by rank first (`rank_major_rows`). SequenceParallel
-    returns a local tensor there too (use_local_output=True), as ours does; NoParallel entries
-    are left out (PyTorch keeps such a module as it is)."""
-    from torch.distributed.tensor import parallel as tp
-
-    out = {}
-    for key, style in plan.items():
-        if isinstance(style, ColwiseParallel):
-            out[key] = tp.ColwiseParallel(input_layouts=style.input_layouts,
-                                          output_layouts=style.output_layouts,
-                                          use_local_output=style.use_local_output)
-        elif isinstance(style, RowwiseParallel):
-            out[key] = tp.RowwiseParallel(input_layouts=style.input_layouts,
-                                          output_layouts=style.output_layouts,
-                                          use_local_output=style.use_local_output)
-        elif isinstance(style, SequenceParallel):
-            out[key] = tp.SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=True)
-        elif isinstance(style, PrepareModuleInput):
-            out[key] = tp.PrepareModuleInput(
-                input_layouts=style.input_layouts,
-                desired_input_layouts=style.desired_input_layouts,
-                input_kwarg_layouts=style.input_kwarg_layouts,
-                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
-                use_local_output=style.use_local_output)
-        elif isinstance(style, PrepareModuleOutput):
-            out[key] = tp.PrepareModuleOutput(
-                output_layouts=style.output_layouts,
-                desired_output_layouts=style.desired_output_layouts,
-                use_local_output=style.use_local_output)
-    return out
-
-
-def rank_major_rows(style, p):
-    """The order of a full weight's rows under which PyTorch's contiguous row split gives rank r
-    exactly the rows `style` (a ColwiseParallel with output_shape) gives it here: `w[order]`
-    for PyTorch, and `grad[order.argsort()]` back. The identity without an output_shape."""
-    if style.output_shape is None:
-        return None
-    return split_rows(tuple(style.output_shape), style.split_dim, p).rows.flatten()
-
-
 __all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",
            "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
-           "matching_modules", "parallelize_module", "rank_major_rows", "resolve_plan",
-           "torch_plan"]
+           "matching_modules", "parallelize_module", "resolve_plan"]

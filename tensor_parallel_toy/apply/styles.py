@@ -1,5 +1,6 @@
 """The styles of a plan (apply/plan.py): what a plan says about one module, in PyTorch's
-names and arguments; PyTorch's own style objects read into them (`translate_style`); and the
+names and arguments; PyTorch's own style objects read into them (`translate_style`), and back
+(`torch_plan`, with `rank_major_rows` for a fused projection); and the
 layout helpers that read them (which dim a `Shard(d)` names, the moves a PrepareModuleInput /
 Output may make, and the hooks that make them)."""
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
 
+from ..parallel_linear import split_rows
 from .layers import redistribute
 
 
@@ -166,6 +168,56 @@ def translate_style(style, where):
     return ours(style, where)
 
 
+# ----------------------------------------------------------------------------------------------
+# A plan of ours in PyTorch's classes
+# ----------------------------------------------------------------------------------------------
+def torch_plan(plan):
+    """`plan` with each style replaced by PyTorch's class of the same name and arguments, for
+    `torch.distributed.tensor.parallel.parallelize_module`. PyTorch has no output_shape: a
+    ColwiseParallel with one splits the rows contiguously there, which equals ours only on a
+    weight whose rows were laid out rank by rank first (`rank_major_rows`). SequenceParallel
+    returns a local tensor there too (use_local_output=True), as ours does; NoParallel entries
+    are left out (PyTorch keeps such a module as it is)."""
+    out = {}
+    for key, style in plan.items():
+        if isinstance(style, ColwiseParallel):
+            out[key] = torch_tp.ColwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, RowwiseParallel):
+            out[key] = torch_tp.RowwiseParallel(input_layouts=style.input_layouts,
+                                          output_layouts=style.output_layouts,
+                                          use_local_output=style.use_local_output)
+        elif isinstance(style, SequenceParallel):
+            out[key] = torch_tp.SequenceParallel(sequence_dim=style.sequence_dim,
+                                                 use_local_output=True)
+        elif isinstance(style, PrepareModuleInput):
+            out[key] = torch_tp.PrepareModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                use_local_output=style.use_local_output)
+        elif isinstance(style, PrepareModuleOutput):
+            out[key] = torch_tp.PrepareModuleOutput(
+                output_layouts=style.output_layouts,
+                desired_output_layouts=style.desired_output_layouts,
+                use_local_output=style.use_local_output)
+    return out
+
+
+def rank_major_rows(style, p):
+    """The order of a full weight's rows under which PyTorch's contiguous row split gives rank r
+    exactly the rows `style` (a ColwiseParallel with output_shape) gives it here: `w[order]`
+    for PyTorch, and `grad[order.argsort()]` back. The identity without an output_shape."""
+    if style.output_shape is None:
+        return None
+    return split_rows(tuple(style.output_shape), style.split_dim, p).rows.flatten()
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts
+# ----------------------------------------------------------------------------------------------
 def layout_or(value, default):
     """A style's layout, or `default` when it gives none; a one-element tuple is its element."""
     value = default if value is None else value
