@@ -73,6 +73,16 @@ def _split(one, group):
     return parallelize_module(copy.deepcopy(one), group, PLAN, tp_seed=1234)
 
 
+def _one_and_split(p_attn, p_out):
+    """The one-device attention from seed 0, its split copy, a full input and this rank's rows
+    of it (the sequence is dim 1)."""
+    group, p, rank = world()
+    torch.manual_seed(0)
+    one = Attention(p_attn, p_out)
+    x = torch.randn(B, S, H)
+    return one, _split(one, group), x, x.chunk(p, dim=1)[rank]
+
+
 def _gather(t, group):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group)
@@ -122,16 +132,12 @@ def test_sdpa_dropout_on_equal_heads_differs_across_ranks(pools):
 
 
 def _on_rank_raise_and_eval():
-    group, p, rank = world()
-    torch.manual_seed(0)
-    one = Attention(0.5, 0.5)
-    model = _split(one, group)
-    x = torch.randn(B, S, H)
+    one, model, x, mine = _one_and_split(0.5, 0.5)
     torch.manual_seed(5)
     before = torch.get_rng_state()
     model.fail = True
     try:
-        model(x.chunk(p, dim=1)[rank])
+        model(mine)
         raised = False
     except RuntimeError:
         raised = True
@@ -139,7 +145,7 @@ def _on_rank_raise_and_eval():
     restored = torch.equal(torch.get_rng_state(), before) and not model.tp_random.inside
     one.eval()
     model.eval()
-    errors = {"eval out": max_rel_error(model(x.chunk(p, dim=1)[rank]), one(x))}
+    errors = {"eval out": max_rel_error(model(mine), one(x))}
     return {"raised": raised, "restored": restored, "errors": errors,
             "eval drew nothing": torch.equal(torch.get_rng_state(), before)}
 
@@ -152,19 +158,16 @@ def test_a_forward_that_raises_inside_restores_the_stream_and_eval_draws_nothing
 
 
 def _on_rank_dropout_zero():
-    group, p, rank = world()
-    torch.manual_seed(0)
-    one = Attention(0.0, 0.0)
-    model = _split(one, group)
-    x = torch.randn(B, S, H)
-    loss = model(x.chunk(p, dim=1)[rank]).pow(2).sum()
+    one, model, x, mine = _one_and_split(0.0, 0.0)
+    loss = model(mine).pow(2).sum()
     ref = one(x).pow(2).sum()
     loss.backward()
     ref.backward()
     errors = {"loss": max_rel_error(loss, ref)}
-    mine = dict(model.named_parameters())
+    split = dict(model.named_parameters())
     for name, param in one.named_parameters():
-        errors[name] = max_rel_error(mine[name].grad, shard(param.grad, mine[name], group))
+        errors[name] = max_rel_error(split[name].grad,
+                                     shard(param.grad, split[name], dist.group.WORLD))
     return errors
 
 
