@@ -77,16 +77,10 @@ class Guards:
 
 def _integer_tensors(args, kwargs, names):
     """{name: tensor} of the call's integer and bool tensors: what a batch is made of."""
-    found = {}
-    for i, value in enumerate(args):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and \
-                not value.is_complex():
-            found[names[i] if i < len(names) else f"argument {i}"] = value
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and \
-                not value.is_complex():
-            found[name] = value
-    return found
+    named = {**{names[i] if i < len(names) else f"argument {i}": v for i, v in enumerate(args)},
+             **kwargs}
+    return {name: v for name, v in named.items() if isinstance(v, torch.Tensor)
+            and not (v.is_floating_point() or v.is_complex())}
 
 
 def _fingerprint(model, tp_group, options):
