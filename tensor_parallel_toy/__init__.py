@@ -1,8 +1,9 @@
 """tensor_parallel_toy: Megatron-style tensor + sequence parallelism with hand-written autograd.
 
 The idea is in the package's top files, read in this order: comm.py (the collectives and the
-region Functions), ring.py (the overlap), parallel_linear.py (the column and row layers),
-vocab_parallel.py (embedding and loss over a split vocabulary), model.py (the Transformer).
+region Functions), parallel_linear.py (the column and row layers), vocab_parallel.py
+(embedding and loss over a split vocabulary), model.py (the Transformer), and last ring.py
+(the overlap).
 They import nothing of the package but one another, config.py and rotary.py: a kernel. The
 rest are its clients, in named sub-packages beside it:
 

@@ -1,4 +1,6 @@
-"""The P2P ring the overlapped layers use: move sequence chunks rank to rank while computing.
+"""The overlap, read after the working model: the P2P ring, which moves sequence chunks rank to
+rank while computing, and the column and row layers' overlapped Functions built on it
+(`parallel_linear.column_parallel_linear` / `row_parallel_linear` run them for overlap=True).
 
 A whole all-gather (or reduce-scatter) is one collective the GEMM must wait for. Cut into
 p - 1 ring steps, each step's transfer can run while the GEMM of a chunk that is already here

@@ -111,7 +111,7 @@ class _LoadMeter:
 
 def _weight_grad_path(dtype):
     """How the overlapped layers sum a weight gradient of `dtype` on this rank's device, in
-    words (support/gemm.py's WeightGradAccumulator), for the results."""
+    words (ring.py's WeightGradAccumulator), for the results."""
     import torch
 
     from ...launcher.initialize import current_device
