@@ -23,16 +23,30 @@ def _test(extra_args):
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
     # Test files named on the command line replace the default: the whole suite.
-    targets = [] if any(os.path.exists(a.split("::")[0]) for a in extra_args) else [tests_dir]
-    # Plugins the suite does not use, where installed: each one slows every start (gpu-check
-    # starts the suite twice).
-    code = pytest.main([*targets, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
+    targets = [] if _paths(extra_args) else [tests_dir]
+    # -rfEs: the short summary lists failures, errors and skips (-rs alone would drop pytest's
+    # default -rfE, and with it the FAILED lines). Plugins the suite does not use, where
+    # installed, are left out: each one slows every start (gpu-check starts the suite twice).
+    code = pytest.main([*targets, "-q", "-rfEs", "-p", "no:cacheprovider", "-p", "no:benchmark",
                         "-p", "no:hypothesispytest", *extra_args])
     if code == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("error: no tests were collected: a test run that tests nothing is a failure",
               file=sys.stderr)
         return 1
     return int(code)
+
+
+# pytest options whose value is the next argument: `-k nccl` names tests, not a folder `nccl`.
+_TAKES_A_VALUE = {"-k", "-m", "-p", "-o", "-c", "-W", "--deselect", "--ignore", "--ignore-glob",
+                  "--rootdir", "--junitxml", "--junit-xml", "--maxfail", "--durations",
+                  "--basetemp", "--confcutdir", "--override-ini", "--tb", "-r"}
+
+
+def _paths(args):
+    """The arguments that name test files or folders (not an option's value)."""
+    return [a for i, a in enumerate(args) if not a.startswith("-")
+            and (i == 0 or args[i - 1] not in _TAKES_A_VALUE)
+            and os.path.exists(a.split("::")[0])]
 
 
 def _blog():

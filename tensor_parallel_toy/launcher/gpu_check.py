@@ -2,6 +2,10 @@
 the GPUs of this machine, in one command.
 
 Steps, each its own process, in order:
+0. nccl-smoke: two ranks form an NCCL group, all-reduce, take one ring step and meet at a barrier
+   (launcher/smoke.py), within minutes. If it fails, its line names the cause (the rank's own
+   error, an abort, or the ranks that never answered) and the run stops there: every later step
+   starts its ranks the same way.
 1. nccl-tests: the suite's NCCL variants (the layers on multi-MB transfers, strided inputs,
    subgroups, bf16, the whole model, the profile's phases with every collective checked for
    its device, and the ring-buffer tests below); `pytest -k nccl`.
@@ -25,16 +29,23 @@ Steps, each its own process, in order:
 Each step has a time limit generous enough for two ranks time-slicing one GPU (`--step-timeout`
 overrides it); a step past it is stopped, with every rank it started, and reported as timed out.
 Each step's output goes to the screen and to OUT/<step>.log (the test steps also write
-OUT/<step>.xml, pytest's JUnit report); the summary, printed last and written to
-OUT/summary.txt, starts with one line saying what passed, what failed and where the results
-are: the block to paste back.
+OUT/<step>.xml, pytest's JUnit report; both, and a profile's results.json, are removed before
+the step starts, so nothing stale is read). The summary, printed last and written to
+OUT/summary.txt, is the block to paste back. Its first line says what passed, what failed and
+where the results are; the failed steps come next, each followed by its failed tests and their
+causes (from the JUnit report: the exception's first line, which for a rank's error carries
+that rank's own), then the rest. A test step in which no test of its backend (`[nccl]`) passed
+has failed, whatever else passed.
 
 Ranks share one GPU with `--share-gpu` or TENSOR_PARALLEL_TOY_SHARE_GPU=1 (the same switch: the
 flag sets the variable for every step). With one GPU one of them is required; two ranks then
 run on it, through NCCL's own NCCL_MULTI_RANK_GPU_ENABLE where torch's NCCL has it (>= 2.30),
 else a per-rank NCCL_HOSTID (see initialize.share_gpu_env); the summary says which. That is the
-NCCL code path for real, but the ranks share one GPU's SMs, so steps 1-3 check correctness only
-and step 4 is skipped. Without a GPU it says so in one line and exits with status 2.
+NCCL code path for real, but the ranks share one GPU's SMs, so steps 0-3 check correctness only
+and step 4 is skipped; a GPU whose compute mode admits one process (Exclusive_Process) is
+refused before anything starts. Without a working GPU it says in one line whether torch is a
+CPU build or CUDA failed to start, and which torch build the driver runs, and exits with
+status 2 (machine.py).
 
 `--rehearse` runs the same steps through the same code on CPU: gloo instead of NCCL, `-k gloo`
 instead of `-k nccl`, `--device cpu`, a tiny model and benchmark shape, and no sanitizer
@@ -54,14 +65,18 @@ import threading
 import time
 import xml.etree.ElementTree as ElementTree
 
+from . import machine
 from .initialize import (SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_requested,
                          share_gpu_route)
 
 PROG = "python -m tensor_parallel_toy gpu-check"
 LARGE_SHAPE = "8192,1,4096,16384"  # s, b, h, m: 64 MiB of bf16 activations per rank and step
 # Seconds per step: two ranks time-slicing one GPU over sockets run the suite's NCCL tests
-# several times slower than two GPUs do, and the sanitizer slows every kernel launch.
-STEP_TIMEOUT_S = {"nccl-tests": 1800, "sanitizer": 1800, "profile": 1200, "large-overlap": 1800}
+# several times slower than two GPUs do, and the sanitizer slows every kernel launch. The smoke
+# step's ranks get SMOKE_TIMEOUT_S for the group and each collective, and 30 s to start.
+STEP_TIMEOUT_S = {"nccl-smoke": 300, "nccl-tests": 1800, "sanitizer": 1800, "profile": 1200,
+                  "large-overlap": 1800}
+SMOKE_TIMEOUT_S = 60
 # The rehearsal's sizes: the same flags as on a GPU, at a size a CPU runs in seconds.
 TINY_MODEL = ["--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
               "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "2",
@@ -77,15 +92,17 @@ class Step:
     results: str = None  # the folder it writes, if any
     timeout_s: float = 1800.0
     report: str = None  # a test step's JUnit XML file
+    backend: str = None  # a test step's: at least one test of it must pass
+    stops_run: bool = False  # if it fails, no later step runs
 
 
 @dataclasses.dataclass
 class Outcome:
     step: Step
-    status: str  # "passed", "FAILED", "TIMED OUT"
+    status: str  # "passed", "FAILED", "TIMED OUT", "not run"
     seconds: float
     detail: str  # one line: counts, exit status or time limit
-    evidence: list  # a failed step's lines worth pasting back (its FAILED/ERROR lines)
+    evidence: list  # a failed step's lines worth pasting back: each failed test and its cause
 
 
 def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None):
@@ -111,7 +128,8 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
         selection = f"{backend} and ({tests})" if tests else selection
         report = os.path.join(out, f"{name}.xml")
         return Step(name, [*package, "test", "-k", selection, f"--junitxml={report}"],
-                    {**env, **extra_env}, what, timeout_s=STEP_TIMEOUT_S[name], report=report)
+                    {**env, **extra_env}, what, timeout_s=STEP_TIMEOUT_S[name], report=report,
+                    backend=backend)
 
     def profile_step(name, flags, what):
         results = os.path.join(out, name)
@@ -119,6 +137,10 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
                     env, what, results, STEP_TIMEOUT_S[name])
 
     steps = [
+        Step("nccl-smoke", [python, "-m", "tensor_parallel_toy.launcher.smoke", "--device",
+                            device, "--timeout", str(SMOKE_TIMEOUT_S)], env,
+             f"two {backend} ranks: form the group, all-reduce, a ring step, a barrier",
+             timeout_s=STEP_TIMEOUT_S["nccl-smoke"], stops_run=True),
         test_step("nccl-tests", backend, {}, f"the suite's {backend} variants"),
         test_step("sanitizer", f"{backend} and overlap",
                   {} if rehearse else {"TORCH_CUDA_SANITIZER": "1"},
@@ -162,11 +184,23 @@ def _stop(proc):
     proc.wait()
 
 
+def _remove_stale(step):
+    """An earlier run's report or results must not stand in for this run's."""
+    stale = [step.report] + ([os.path.join(step.results, "results.json")] if step.results
+                             else [])
+    for path in filter(None, stale):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 def run_step(step, out, timeout_s=None):
     """Run one step, its output to the screen and OUT/<step>.log, stopped (with every process
     it started) after `timeout_s` (default: the step's own limit). Returns its Outcome."""
     timeout_s = step.timeout_s if timeout_s is None else timeout_s
     log_path = os.path.join(out, f"{step.name}.log")
+    _remove_stale(step)
     start = time.perf_counter()
     with open(log_path, "wb") as log:
         # A session of its own: one kill reaches the ranks the step spawned, and Ctrl-C here
@@ -188,64 +222,103 @@ def run_step(step, out, timeout_s=None):
         proc.stdout.close()
     seconds = time.perf_counter() - start
     log_name = os.path.basename(log_path)
+    tests = read_report(step.report, step.backend)
+    evidence = tests.failures or _evidence(log_path)
     if code is None:
         return Outcome(step, "TIMED OUT", seconds,
-                       f"stopped after {timeout_s:g} s, the step's time limit; log {log_name}",
-                       _evidence(log_path))
-    counts, ran = _test_counts(step.report)
+                       f"stopped after {timeout_s:g} s, the step's time limit{tests.counts}; "
+                       f"log {log_name}", evidence)
     if code != 0:
-        return Outcome(step, "FAILED", seconds, f"exit {code}{counts}; log {log_name}",
-                       _evidence(log_path))
-    if step.report and not ran:
-        return Outcome(step, "FAILED", seconds, f"no test ran{counts}; log {log_name}", [])
+        return Outcome(step, "FAILED", seconds, f"exit {code}{tests.counts}; log {log_name}",
+                       evidence)
+    if step.report and not tests.backend_passed:
+        return Outcome(step, "FAILED", seconds, f"no [{step.backend}] test passed"
+                       f"{tests.counts}; log {log_name}", tests.skip_reasons)
     if step.results and not os.path.exists(os.path.join(step.results, "results.json")):
         return Outcome(step, "FAILED", seconds, f"exit 0 but no {step.results}/results.json",
                        [])
     where = f"results in {step.results}/" if step.results else f"log {log_name}"
-    return Outcome(step, "passed", seconds, "; ".join(filter(None, [counts.lstrip(", "), where])),
-                   [])
+    return Outcome(step, "passed", seconds,
+                   "; ".join(filter(None, [tests.counts.lstrip(", "), where])), [])
 
 
-def _test_counts(report):
-    """(', N passed, M failed, K skipped' from a JUnit report, number passed); ('', 0) if
-    there is none."""
+@dataclasses.dataclass
+class Tests:
+    counts: str = ""  # ", N passed, M failed, K skipped", or "" without a report
+    backend_passed: int = 0  # tests parametrized with the step's backend that passed
+    failures: list = dataclasses.field(default_factory=list)  # "test: cause" per failed test
+    skip_reasons: list = dataclasses.field(default_factory=list)
+
+
+def _one_line(text, most=400):
+    """The first line of a message, its exception named without its module path."""
+    line = re.sub(r"^(?:\w+\.)+(?=\w+: )", "", " ".join((text or "").strip().splitlines()[:1]))
+    return line if len(line) <= most else line[:most - 3] + "..."
+
+
+def read_report(report, backend=None):
+    """What a JUnit report says (a `Tests`): the counts, how many tests parametrized with
+    `backend` (an id part, as in test_x[nccl] or test_y[nccl-2]) passed, each failed test with
+    the first line of its failure (pytest's "Type: message", which for a rank's error names
+    the rank and its cause), and the distinct skip reasons."""
     try:
-        suite = ElementTree.parse(report).getroot()
+        root = ElementTree.parse(report).getroot()
     except (OSError, TypeError, ElementTree.ParseError):
-        return "", 0
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in
-                                      ("tests", "failures", "errors", "skipped"))
-    passed = total - failed - errors - skipped
-    parts = [f"{n} {word}" for n, word in ((passed, "passed"), (failed, "failed"),
-                                           (errors, "errors"), (skipped, "skipped")) if n]
-    return ", " + ", ".join(parts or ["0 tests"]), passed
+        return Tests()
+    found = Tests()
+    totals = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for case in root.iter("testcase"):
+        name = case.get("name", "")
+        ids = re.findall(r"\[(.*)\]$", name)
+        node = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{name}"
+        outcome = next((child for child in case if child.tag in ("failure", "error",
+                                                                 "skipped")), None)
+        if outcome is None:
+            totals["passed"] += 1
+            found.backend_passed += bool(backend and ids and backend in ids[0].split("-"))
+        elif outcome.tag == "skipped":
+            totals["skipped"] += 1
+            reason = _one_line(outcome.get("message"))
+            if reason not in found.skip_reasons:
+                found.skip_reasons.append(reason)
+        else:
+            totals["failed" if outcome.tag == "failure" else "errors"] += 1
+            found.failures.append(f"{node}: {_one_line(outcome.get('message'))}")
+    parts = [f"{n} {word}" for word, n in totals.items() if n]
+    found.counts = ", " + ", ".join(parts or ["0 tests"])
+    found.skip_reasons = found.skip_reasons[:3]
+    return found
 
 
 def _evidence(log_path, most=8):
-    """A failed step's pytest FAILED/ERROR lines, or else its last lines."""
+    """A failed step's lines from its log, where there is no report to read: pytest's
+    FAILED/ERROR lines or a step's own FAILED line, or else its last lines."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [line.rstrip() for line in f if line.strip()]
     picked = [line for line in lines if re.match(r"(FAILED|ERROR) ", line)]
     return (picked or lines[-3:])[:most]
 
 
-def summary(outcomes, out, skipped=(), machine="", sharing="", rehearse=False):
-    """The summary block; its first line says what passed, what failed and where the results
-    are."""
+def summary(outcomes, out, skipped=(), machine_line="", sharing="", rehearse=False):
+    """The summary block: one line saying what passed, what failed and where the results are;
+    then the failed steps, each with its failed tests and their causes; then the others."""
     bad = {status: [o.step.name for o in outcomes if o.status == status]
-           for status in ("FAILED", "TIMED OUT")}
+           for status in ("FAILED", "TIMED OUT", "not run")}
+    ran = [o for o in outcomes if o.status != "not run"]
     passed = sum(o.status == "passed" for o in outcomes)
     head = (f"{PROG}{' --rehearse' if rehearse else ''}: {passed} of {len(outcomes)} steps "
             f"passed" + "".join(f"; {status}: {', '.join(names)}"
                                 for status, names in bad.items() if names)
             + f"; results in {out}/ (summary.txt, a .log per step)")
     lines = [head]
-    for o in outcomes:
-        lines.append(f"  {o.status:<9} {o.step.name:<13} {o.seconds:6.0f} s  {o.detail}")
+    order = [o for o in ran if o.status != "passed"] + [o for o in outcomes if o not in ran
+                                                        or o.status == "passed"]
+    for o in order:
+        seconds = f"{o.seconds:6.0f} s" if o.status != "not run" else " " * 8
+        lines.append(f"  {o.status:<9} {o.step.name:<13} {seconds}  {o.detail}")
         lines += [f"      | {line}" for line in o.evidence]
     lines += [f"  {'skipped':<9} {name:<13} {'':>8}  {why}" for name, why in skipped]
-    return "\n".join(lines + [line for line in (machine, sharing) if line]) + "\n"
+    return "\n".join(lines + [line for line in (machine_line, sharing) if line]) + "\n"
 
 
 def _machine(gpus, rehearse):
@@ -256,8 +329,9 @@ def _machine(gpus, rehearse):
                 f"CUDA, at full size); torch {torch.__version__}")
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
     version = nccl_version()
-    return (f"machine: {gpus} x {', '.join(names)}; torch {torch.__version__}, CUDA "
-            f"{torch.version.cuda}, NCCL {'.'.join(map(str, version or ())) or 'none'}")
+    return (f"machine: {gpus} x {', '.join(names)}; "
+            f"{machine.build_line(torch, machine.driver_version())}, NCCL "
+            f"{'.'.join(map(str, version or ())) or 'none'}")
 
 
 def _parser():
@@ -275,6 +349,9 @@ def _parser():
     p.add_argument("--tests", default=None, metavar="EXPR",
                    help="both test steps run only the NCCL tests (gloo with --rehearse) that "
                         "match pytest -k EXPR, e.g. to run a failed one again")
+    p.add_argument("--steps", default=None, metavar="NAMES",
+                   help="run only these steps (comma-separated, e.g. a failed one again: "
+                        "--steps sanitizer --tests ring_buffers)")
     p.add_argument("--step-timeout", type=float, default=None, metavar="S",
                    help="seconds each step may take before it is stopped (default per step: "
                         + ", ".join(f"{k} {v:g}" for k, v in STEP_TIMEOUT_S.items()) + ")")
@@ -283,22 +360,49 @@ def _parser():
     return p
 
 
+def _problem(args, share, gpus):
+    """The one line that stops the run before any step, or None."""
+    flag = os.environ.get(SHARE_GPU_ENV, "")
+    if flag not in ("", "0", "1"):
+        return f"{SHARE_GPU_ENV}={flag!r}: valid are 1 (ranks share a GPU) or 0 or unset"
+    if args.step_timeout is not None and not args.step_timeout > 0:
+        return f"--step-timeout {args.step_timeout:g}: must be a positive number of seconds"
+    if args.rehearse or args.dry_run:
+        return None
+    if gpus == 0:
+        return machine.cuda_problem()
+    single = machine.single_process_gpus() if share and gpus == 1 else {}
+    if 0 in single:
+        return (f"GPU 0's compute mode is {single[0]}: it admits at most one process, so two "
+                f"ranks cannot share it; `nvidia-smi -i 0 -c DEFAULT` (as root) allows several")
+    return None
+
+
+def _only(steps, names):
+    """The planned steps named in `names` (comma-separated), in their order."""
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = [step.name for step in steps]
+    unknown = [name for name in wanted if name not in known]
+    if unknown or not wanted:
+        raise ValueError(f"--steps {names!r}: {', '.join(unknown) or 'no step'} is not a step "
+                         f"of this plan; valid are {', '.join(known)}")
+    return [step for step in steps if step.name in wanted]
+
+
 def main(argv=None, gpus=None):
     args = _parser().parse_args(argv)
-    flag = os.environ.get(SHARE_GPU_ENV, "")
-    problem = (f"{SHARE_GPU_ENV}={flag!r}: valid are 1 (ranks share a GPU) or 0 or unset"
-               if flag not in ("", "0", "1") else
-               f"--step-timeout {args.step_timeout:g}: must be a positive number of seconds"
-               if args.step_timeout is not None and not args.step_timeout > 0 else None)
     share = args.share_gpu or share_gpu_requested()
     if gpus is None:
         gpus = 0 if args.rehearse else gpu_count()
     planned = (1 if share else 2) if args.rehearse or (args.dry_run and gpus == 0) else gpus
     out = args.out or os.path.join("results", "gpu-rehearsal" if args.rehearse else "gpu")
     try:
+        problem = _problem(args, share, gpus)
         if problem:
             raise ValueError(problem)
         steps = plan(planned, share, out, rehearse=args.rehearse, tests=args.tests)
+        if args.steps is not None:
+            steps = _only(steps, args.steps)
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
@@ -315,8 +419,12 @@ def main(argv=None, gpus=None):
                f"correctness, not speed" if shared else "")
     print(f"{PROG}{' --rehearse' if args.rehearse else ''}: {len(steps)} steps, results in "
           f"{out}/" + (f"; {sharing}" if shared else ""), flush=True)
-    outcomes, interrupted = [], False
+    outcomes, interrupted, stop = [], False, None
     for step in steps:
+        if stop:
+            outcomes.append(Outcome(step, "not run", 0.0, f"{stop} failed: later steps start "
+                                    f"ranks the same way", []))
+            continue
         env = " ".join(f"{k}={v}" for k, v in step.env.items())
         print(f"\n=== {step.name}: {step.what}\n    {env + ' ' if env else ''}"
               f"{shlex.join(step.argv)}", flush=True)
@@ -329,6 +437,8 @@ def main(argv=None, gpus=None):
         print(f"=== {step.name}: {outcomes[-1].status}, {outcomes[-1].detail}", flush=True)
         if interrupted:
             break
+        if step.stops_run and outcomes[-1].status != "passed":
+            stop = step.name
     skipped = [("large-overlap", "two ranks on one GPU: timings mean nothing")] if shared else []
     text = summary(outcomes, out, skipped, _machine(planned, args.rehearse), sharing,
                    args.rehearse)

@@ -12,6 +12,7 @@ Two ways in:
 import ipaddress
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -49,11 +50,16 @@ def share_gpu_requested(env=os.environ):
     return env.get(SHARE_GPU_ENV) == "1"
 
 
-def nccl_rank_capacity(env=os.environ):
-    """How many NCCL ranks this machine can run: one per GPU, or any number on one GPU when
-    SHARE_GPU_ENV=1 (a correctness run; see `share_gpu_env`)."""
+def nccl_rank_capacity(env=os.environ, version=None):
+    """How many NCCL ranks this machine can run: one per GPU; with SHARE_GPU_ENV=1 (a
+    correctness run; see `share_gpu_env`) two on one GPU through NCCL's own switch (NCCL
+    `version` >= 2.30, default torch's: MULTI_RANK_GPU_MAX), any number through per-rank
+    host ids."""
     gpus = gpu_count()
-    return 1 << 10 if gpus and share_gpu_requested(env) else gpus
+    if not (gpus and share_gpu_requested(env)):
+        return gpus
+    version = nccl_version() if version is None else version
+    return MULTI_RANK_GPU_MAX if _multi_rank_switch(version) else 1 << 10
 
 
 def choose_backend(world_size, device="auto"):
@@ -67,6 +73,10 @@ def choose_backend(world_size, device="auto"):
         raise ValueError("device=cuda was requested but no CUDA GPU is available; "
                          "use device=cpu (or auto)")
     if capacity < world_size:
+        if capacity > gpus:  # sharing, through NCCL's switch
+            raise ValueError(f"device=cuda with {world_size} ranks on {gpus} GPU: ranks share "
+                             f"it {share_gpu_route()}, which runs at most {capacity}; use at "
+                             f"most {capacity} ranks or device=cpu")
         raise ValueError(f"device=cuda with {world_size} ranks needs {world_size} GPUs, "
                          f"found {gpus}; use at most {gpus} ranks or device=cpu "
                          f"(or {SHARE_GPU_ENV}=1 for a correctness run on one GPU)")
@@ -75,7 +85,15 @@ def choose_backend(world_size, device="auto"):
 
 # NCCL's own switch for several ranks on one GPU: experimental, and only from this version on
 # (the NCCL 2.30 release; init.cc's NCCL_PARAM(MultiRankGpuEnable, "MULTI_RANK_GPU_ENABLE", 0)).
-MULTI_RANK_GPU_ENV, MULTI_RANK_GPU_SINCE = "NCCL_MULTI_RANK_GPU_ENABLE", (2, 30)
+# NCCL's documentation of it: "with the default configuration, NCCL should be able to run up to
+# 2 ranks per GPU"; more may exhaust the GPU's resources and hang.
+MULTI_RANK_GPU_ENV, MULTI_RANK_GPU_SINCE, MULTI_RANK_GPU_MAX = \
+    "NCCL_MULTI_RANK_GPU_ENABLE", (2, 30), 2
+# Ranks sharing a GPU talk over NCCL's own sockets transport, whatever the machine's image set:
+# a network plugin (NCCL_NET_PLUGIN, or a libnccl-net.so on the library path), NCCL_NET naming
+# another network, or CollNet would take that route over (NCCL's env.rst: NCCL_NET,
+# NCCL_NET_PLUGIN, whose value "none" loads no plugin, NCCL_COLLNET_ENABLE).
+SOCKETS_ONLY = {"NCCL_NET": "Socket", "NCCL_NET_PLUGIN": "none", "NCCL_COLLNET_ENABLE": "0"}
 
 
 def nccl_version():
@@ -97,10 +115,14 @@ def share_gpu_env(rank, version=None):
     Either way the ranks share the GPU's SMs, so timings mean nothing; it runs the real NCCL
     code path, which is what a correctness check on one GPU needs."""
     version = nccl_version() if version is None else version
-    if version and tuple(version[:2]) >= MULTI_RANK_GPU_SINCE:
-        return {MULTI_RANK_GPU_ENV: "1"}
+    if _multi_rank_switch(version):
+        return {MULTI_RANK_GPU_ENV: "1", **SOCKETS_ONLY}
     return {"NCCL_HOSTID": f"tensor-parallel-toy-rank-{rank}", "NCCL_SOCKET_IFNAME": "lo",
-            "NCCL_IB_DISABLE": "1"}
+            "NCCL_IB_DISABLE": "1", **SOCKETS_ONLY}
+
+
+def _multi_rank_switch(version):
+    return bool(version) and tuple(version[:2]) >= MULTI_RANK_GPU_SINCE
 
 
 def share_gpu_route(version=None):
@@ -112,8 +134,9 @@ def share_gpu_route(version=None):
         return (f"through {MULTI_RANK_GPU_ENV}=1 where NCCL >= {since}, else a per-rank "
                 f"NCCL_HOSTID (this torch has no NCCL)")
     name = "NCCL " + ".".join(map(str, version))
-    if tuple(version[:2]) >= MULTI_RANK_GPU_SINCE:
-        return f"through {MULTI_RANK_GPU_ENV}=1, NCCL's own switch ({name} >= {since})"
+    if _multi_rank_switch(version):
+        return (f"through {MULTI_RANK_GPU_ENV}=1, NCCL's own switch ({name} >= {since}; at "
+                f"most {MULTI_RANK_GPU_MAX} ranks per GPU)")
     return (f"through a per-rank NCCL_HOSTID over loopback sockets ({name} < {since} has no "
             f"{MULTI_RANK_GPU_ENV}; a route NCCL's maintainers do not support)")
 
@@ -272,6 +295,37 @@ def shutdown():
         dist.destroy_process_group()
 
 
+def raised(traceback_text):
+    """A worker's traceback in one line: its exception's first line, and its last one where
+    the message runs over several (an NCCL error names the failed CUDA call there)."""
+    lines = traceback_text.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else 0
+    text = [line.strip() for line in lines[start:] if line.strip() and not line[0].isspace()]
+    if not text:
+        return lines[-1].strip() if lines else "(no traceback)"
+    return text[0] if len(text) == 1 else f"{text[0]} ... {text[-1]}"
+
+
+_SIGNAL_MEANING = {
+    "SIGABRT": "an abort, as NCCL's watchdog aborts a rank whose collective failed or timed out",
+    "SIGKILL": "the out-of-memory killer's signal, unless someone else sent it",
+    "SIGSEGV": "a crash in native code",
+}
+
+
+def exit_meaning(code):
+    """A worker's exit code in words: a negative one is the signal that ended it."""
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    meaning = _SIGNAL_MEANING.get(name)
+    return f"exit code {code}, {name}" + (f": {meaning}" if meaning else "")
+
+
 def _exit_with_parent(parent_pid):
     """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks."""
     def watch():
@@ -281,10 +335,33 @@ def _exit_with_parent(parent_pid):
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+# Set to one of INJECTABLE, a worker fails on purpose, so that a run on CPU shows what a
+# failure on a GPU reports (gpu-check's tests): the last rank raises in its first task, aborts
+# in it (exit -6, as NCCL's watchdog aborts a rank), or never joins the process group.
+INJECT_ENV = "TENSOR_PARALLEL_TOY_INJECT_FAILURE"
+INJECTABLE = ("raise", "abort", "hang-at-start")
+
+
+def _injected(stage, rank, world_size):
+    what = os.environ.get(INJECT_ENV)
+    if not what or rank != world_size - 1:
+        return
+    if what not in INJECTABLE:
+        raise ValueError(f"{INJECT_ENV}={what!r}: valid are {', '.join(INJECTABLE)}")
+    if stage == "start" and what == "hang-at-start":
+        time.sleep(1 << 20)  # the parent watch ends it with the launcher
+    if stage == "task" and what == "raise":
+        raise RuntimeError(f"injected by {INJECT_ENV}=raise: the error a failed collective "
+                           f"raises")
+    if stage == "task" and what == "abort":
+        os.abort()
+
+
 def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid,
                  high_priority_streams=False):
     _exit_with_parent(parent_pid)
     try:
+        _injected("start", rank, world_size)
         nccl = {}
         if backend == "nccl":
             if gpu_count() < world_size:  # SHARE_GPU_ENV: choose_backend allowed it
@@ -306,6 +383,7 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, par
             break
         fn, args, kwargs = task
         try:
+            _injected("task", rank, world_size)
             results.put((rank, "ok", fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
@@ -319,7 +397,7 @@ class WorkerPool:
     `high_priority_streams`: see `nccl_options`."""
 
     def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
-                 high_priority_streams=False):
+                 high_priority_streams=False, start_timeout_s=None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world size {world_size!r} must be a positive integer")
         devices = {None: "auto", "gloo": "cpu", "nccl": "cuda"}
@@ -343,7 +421,8 @@ class WorkerPool:
             for rank in range(world_size)]
         for proc in self._procs:
             proc.start()
-        self._collect("ready", timeout_s + 60)  # spawning imports torch: allow for a slow start
+        # Spawning imports torch: by default allow for a slow start.
+        self._collect("ready", start_timeout_s or timeout_s + 60)
 
     @property
     def alive(self):
@@ -359,37 +438,44 @@ class WorkerPool:
 
     def _collect(self, expected, timeout_s):
         got, deadline = {}, time.monotonic() + timeout_s
+        starting = f" while forming the {self.backend} process group" \
+            if expected == "ready" else ""
         while len(got) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(got))
             try:
                 rank, status, payload = self._results.get(timeout=0.2)
             except queue.Empty:
                 self._raise_if_a_rank_died()
                 if time.monotonic() > deadline:
                     self.close(graceful=False)
-                    raise WorkerError(f"no answer from ranks "
-                                      f"{sorted(set(range(self.world_size)) - set(got))} "
-                                      f"within {timeout_s:.0f} s; stopped all ranks") from None
+                    raise WorkerError(f"no answer from ranks {missing} within "
+                                      f"{timeout_s:.0f} s{starting}; stopped all ranks") from None
                 continue
             if status == "error":
+                cause = raised(payload)
                 # When a rank dies, its peers soon raise "connection closed": give the launcher
                 # a moment to see the death, so the error names the cause, not a consequence.
                 time.sleep(1.0)
-                self._raise_if_a_rank_died(also=f"rank {rank} then raised: "
-                                                f"{payload.strip().splitlines()[-1]}")
+                self._raise_if_a_rank_died(also=f"rank {rank} then raised: {cause}",
+                                           besides=rank)  # it leaves after raising at start
                 # The other ranks may be blocked in a collective this rank will never join.
                 self.close(graceful=False)
-                raise WorkerError(f"rank {rank} raised:\n{payload}")
+                silent = [r for r in missing if r != rank]
+                raise WorkerError(f"rank {rank} raised: {cause}" + (
+                    f" ({starting.strip()}; no word from ranks {silent})" if starting and silent
+                    else "") + f"\n{payload}")
             assert status == expected, (status, expected)
             got[rank] = payload
         return [got[r] for r in range(self.world_size)]
 
-    def _raise_if_a_rank_died(self, also=""):
-        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+    def _raise_if_a_rank_died(self, also="", besides=None):
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                if not p.is_alive() and r != besides]
         if dead:
             self.close(graceful=False)
             rank, code = dead[0]
-            raise WorkerError(f"rank {rank} died (exit code {code}); stopped the other ranks"
-                              + (f"; {also}" if also else ""))
+            raise WorkerError(f"rank {rank} died ({exit_meaning(code)}); stopped the other "
+                              f"ranks" + (f"; {also}" if also else ""))
 
     def close(self, graceful=True):
         """Ask the workers to leave cleanly; whoever does not within 10 s is killed.

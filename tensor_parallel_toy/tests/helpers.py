@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from tensor_parallel_toy.support.sharding import full_grads, full_state_dict
 from tensor_parallel_toy.config import ModelConfig
-from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, current_device, gpu_count,
-                                            nccl_rank_capacity)
+from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, WorkerError, WorkerPool,
+                                                     current_device, gpu_count,
+                                                     nccl_rank_capacity)
 from tensor_parallel_toy.guards import guard
 from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.profiling.spec import DTYPES  # noqa: F401 (the one name -> dtype map)
@@ -41,6 +42,41 @@ BACKENDS = [
         reason=f"NCCL tests need >= 2 CUDA GPUs (or {SHARE_GPU_ENV}=1 and one), found "
                f"{gpu_count()}")),
 ]
+
+class Pools:
+    """The suite's worker pools, one per (backend, world size), started on first use.
+
+    Once a pool fails to start (NCCL or CUDA cannot come up, or a rank hangs while the group
+    forms), every later test that asks for a pool of that backend with as many ranks or more
+    fails at once with that first error, instead of starting ranks again and waiting out the
+    same timeout: on a machine where NCCL cannot start, one test pays the timeout, not all."""
+
+    def __init__(self, start=WorkerPool):
+        self.live, self.failed, self._start = {}, {}, start
+
+    def get(self, world_size, backend="gloo"):
+        key = (backend, world_size)
+        if key in self.live and self.live[key].alive:
+            return self.live[key]
+        if backend == "nccl" and nccl_rank_capacity() < world_size:
+            pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs (or {SHARE_GPU_ENV}=1 "
+                        f"and a route that takes them), found {gpu_count()}")
+        first = min((n for b, n in self.failed if b == backend and n <= world_size),
+                    default=None)
+        if first is not None:
+            pytest.fail(f"not started: a {backend} pool of {first} ranks failed to start "
+                        f"earlier in this run: {self.failed[backend, first]}", pytrace=False)
+        try:
+            self.live[key] = self._start(world_size, backend=backend)
+        except WorkerError as e:
+            self.failed[key] = str(e).splitlines()[0]
+            raise
+        return self.live[key]
+
+    def close(self):
+        for pool in self.live.values():
+            pool.close()
+
 
 # Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, num_layers=2, num_heads=12,

@@ -1,42 +1,51 @@
 """gpu-check runs on CPU exactly as it will on a GPU: the rehearsal takes every step through the
 same subprocesses, time limits, result files and summary; a step past its limit is stopped with
 everything it started; one GPU needs the sharing switch, given by flag or variable alike.
+
+Failures are rehearsed too: a rank that raises, one that aborts, one that never joins the
+group (TENSOR_PARALLEL_TOY_INJECT_FAILURE), and a pool that cannot start; each is named in the
+summary's first lines with its step, its test and its cause.
 """
 import sys
 import time
+import types
 
 import pytest
 
-from tensor_parallel_toy.launcher import gpu_check, initialize
+from tensor_parallel_toy.launcher import gpu_check, initialize, machine
 from tensor_parallel_toy.launcher.gpu_check import Step, run_step, summary
-from tensor_parallel_toy.launcher.initialize import SHARE_GPU_ENV
+from tensor_parallel_toy.launcher.initialize import INJECT_ENV, SHARE_GPU_ENV, WorkerError
+from tensor_parallel_toy.tests.helpers import Pools
 
-REHEARSED = ["nccl-tests", "sanitizer", "profile"]  # one GPU: large-overlap is skipped
+REHEARSED = ["nccl-smoke", "nccl-tests"]  # the rest run in the failure rehearsals, the profile
+# step's command in test_profiling
+# One quick [gloo] test for the rehearsal's test steps: a step passes only if a test of its
+# backend passed, so the selection must hold one.
+ONE_GLOO_TEST = "matches_full_linear and 2-column-overlap-bias-fp32"
 
 
 def test_rehearsal_runs_every_step_on_cpu_and_its_summary_says_what_passed(tmp_path,
                                                                             monkeypatch, capsys):
-    """The one-GPU plan (the machine most likely to turn up), its test steps narrowed to a few
-    tests that start no ranks (the suite runs the rest); the profile at the rehearsal's size."""
+    """The one-GPU plan (the machine most likely to turn up), its first two steps, the test
+    step narrowed to one [gloo] test (the suite runs the rest)."""
     monkeypatch.delenv(SHARE_GPU_ENV, raising=False)  # --share-gpu must set it for the steps
     out = tmp_path / "gpu"
     code = gpu_check.main(["--rehearse", "--share-gpu", "--out", str(out), "--tests",
-                           "multi_host_gloo and loopback"])
+                           ONE_GLOO_TEST, "--steps", ",".join(REHEARSED)])
     printed = capsys.readouterr().out
     assert code == 0, printed[-4000:]
     block = (out / "summary.txt").read_text()
     first = block.splitlines()[0]
-    assert first == (f"{gpu_check.PROG} --rehearse: 3 of 3 steps passed; results in {out}/ "
+    assert first == (f"{gpu_check.PROG} --rehearse: 2 of 2 steps passed; results in {out}/ "
                      f"(summary.txt, a .log per step)"), block
     assert printed.endswith(block), printed[-2000:]
     for name in REHEARSED:
         assert f"\n=== {name}: passed" in printed, printed[-4000:]
         assert (out / f"{name}.log").stat().st_size > 0, name
     lines = {line.split()[1]: line for line in block.splitlines()[1:] if line.startswith("  ")}
-    for name in ("nccl-tests", "sanitizer"):  # each ran the selected tests, and said so
-        assert lines[name].split()[0] == "passed" and "6 passed" in lines[name], block
-        assert (out / f"{name}.xml").exists(), name
-    assert (out / "profile" / "results.json").exists() and "results in" in lines["profile"]
+    assert "all-reduce, ring step and barrier correct" in (out / "nccl-smoke.log").read_text()
+    assert lines["nccl-tests"].split()[0] == "passed" and "1 passed" in lines["nccl-tests"]
+    assert (out / "nccl-tests.xml").exists() and set(lines) == {*REHEARSED, "large-overlap"}
     assert lines["large-overlap"].split()[0] == "skipped", block
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1 where NCCL >= 2.30" in block, block
     assert "correctness, not speed" in block, block
@@ -48,6 +57,7 @@ def test_rehearsal_takes_the_gpu_runs_steps_with_only_backend_device_and_sizes_c
         real = gpu_check.plan(gpus, True, out)
         rehearsal = gpu_check.plan(gpus, True, out, rehearse=True)
         assert [s.name for s in rehearsal] == [s.name for s in real]
+        assert real[0].name == "nccl-smoke" and real[0].stops_run
         for r, g in zip(rehearsal, real):
             assert (r.timeout_s, r.results, r.report) == (g.timeout_s, g.results, g.report)
             assert r.argv[:4] == g.argv[:4], (r.argv, g.argv)  # python -m package test|profile
@@ -55,10 +65,101 @@ def test_rehearsal_takes_the_gpu_runs_steps_with_only_backend_device_and_sizes_c
                                                               "1"}, r.name
             if g.report:  # the gloo twin of each NCCL test
                 assert r.argv[5] == g.argv[5].replace("nccl", "gloo"), (r.argv, g.argv)
+                assert (r.backend, g.backend) == ("gloo", "nccl")
             else:
-                assert r.argv[4:6] == ["--device", "cpu"] and g.argv[4:6] == ["--device", "cuda"]
+                at = r.argv.index("--device")
+                assert r.argv[at + 1] == "cpu" and g.argv[at + 1] == "cuda", (r.argv, g.argv)
     narrowed = [s for s in gpu_check.plan(1, True, out, tests="ring_buffers") if s.report]
     assert [s.argv[5] for s in narrowed] == ["nccl and (ring_buffers)"] * 2, narrowed
+
+
+def test_a_hang_at_process_group_start_stops_the_run_within_the_smoke_steps_limit(
+        tmp_path, monkeypatch, capsys):
+    """A rank that never joins the group: the smoke step names it within seconds (its ranks'
+    timeout, shortened here) and nothing after it runs."""
+    monkeypatch.setenv(INJECT_ENV, "hang-at-start")
+    monkeypatch.setattr(gpu_check, "SMOKE_TIMEOUT_S", 3)
+    out = tmp_path / "gpu"
+    start = time.monotonic()
+    code = gpu_check.main(["--rehearse", "--share-gpu", "--out", str(out)])
+    elapsed = time.monotonic() - start
+    printed = capsys.readouterr().out
+    assert code == 1, printed[-3000:]
+    assert elapsed < gpu_check.STEP_TIMEOUT_S["nccl-smoke"], elapsed
+    block = (out / "summary.txt").read_text().splitlines()
+    assert block[0].startswith(f"{gpu_check.PROG} --rehearse: 0 of 4 steps passed; FAILED: "
+                               f"nccl-smoke; not run: nccl-tests, sanitizer, profile;"), block
+    assert block[1].split()[:2] == ["FAILED", "nccl-smoke"], block
+    assert block[2].startswith("      | FAILED smoke: rank "), block
+    assert "while forming the gloo process group; no word from ranks [1]" in block[2], block
+    assert [line.split()[:2] for line in block[3:6]] == [
+        ["not", "run"]] * 3 and "nccl-smoke failed" in block[3], block
+    assert not (out / "nccl-tests.log").exists()
+
+
+def test_a_failing_test_is_named_with_its_rank_and_cause_before_the_steps_that_passed(tmp_path):
+    """A test step whose rank raises (its one [gloo] test): the summary's first lines name the
+    step, the test and the rank's own error, read from pytest's JUnit report. A passed step
+    after it is listed after it. (A rank that aborts, exit -6 as NCCL's watchdog aborts, is
+    named the same way: test_launcher.py.)"""
+    step = next(s for s in gpu_check.plan(1, True, str(tmp_path), rehearse=True,
+                                          tests=ONE_GLOO_TEST) if s.name == "sanitizer")
+    step.env[INJECT_ENV] = "raise"
+    passed = gpu_check.Outcome(Step("nccl-smoke", [], {}, ""), "passed", 5.0, "log x.log", [])
+    block = summary([passed, run_step(step, str(tmp_path))], str(tmp_path)).splitlines()
+    assert "1 of 2 steps passed; FAILED: sanitizer;" in block[0], block
+    test = "test_parallel_linear::test_parallel_linear_matches_full_linear[2-column-overlap-"
+    assert block[1].split()[:2] == ["FAILED", "sanitizer"] and "1 failed" in block[1], block
+    assert block[2].startswith(f"      | {test}"), block
+    assert (": WorkerError: rank 1 raised: RuntimeError: injected by "
+            f"{INJECT_ENV}=raise") in block[2], block
+    assert block[3].split()[:2] == ["passed", "nccl-smoke"], block
+
+
+def test_a_pool_that_failed_to_start_fails_later_tests_at_once_with_its_first_error():
+    started = []
+
+    def start(world_size, backend):
+        started.append((backend, world_size))
+        if world_size >= 3:
+            raise WorkerError("rank 2 raised: DistBackendError: NCCL error: unhandled cuda "
+                              "error\nTraceback ...")
+        return types.SimpleNamespace(alive=True, close=lambda: None)
+
+    pools = Pools(start)
+    with pytest.raises(WorkerError):
+        pools.get(3, "gloo")
+    for world_size in (3, 4):  # as many ranks or more: not tried again
+        with pytest.raises(pytest.fail.Exception) as failed:
+            pools.get(world_size, "gloo")
+        assert str(failed.value) == ("not started: a gloo pool of 3 ranks failed to start "
+                                     "earlier in this run: rank 2 raised: DistBackendError: "
+                                     "NCCL error: unhandled cuda error"), failed.value
+    pools.get(2, "gloo")  # fewer ranks may still start
+    assert started == [("gloo", 3), ("gloo", 2)], started
+
+
+def test_a_junit_report_gives_each_failed_test_with_its_cause_and_counts_the_backends_tests(
+        tmp_path):
+    report = tmp_path / "r.xml"
+    report.write_text(
+        '<testsuites><testsuite tests="5">'
+        '<testcase classname="pkg.tests.test_a" name="test_x[nccl]"/>'
+        '<testcase classname="pkg.tests.test_a" name="test_nccl_env"/>'
+        '<testcase classname="pkg.tests.test_b" name="test_y[2-nccl]"><failure message='
+        '"WorkerError: rank 1 raised: DistBackendError: NCCL error ... Cuda failure \'out of '
+        'memory\'&#10;Traceback (most recent call last):">long</failure></testcase>'
+        '<testcase classname="pkg.tests.test_b" name="test_z[gloo]"><skipped message="no GPU"/>'
+        '</testcase><testcase classname="pkg.tests.test_b" name="test_w[nccl]"><error message='
+        '"failed on setup"/></testcase></testsuite></testsuites>')
+    tests = gpu_check.read_report(str(report), "nccl")
+    assert tests.counts == ", 2 passed, 1 failed, 1 errors, 1 skipped", tests
+    assert tests.backend_passed == 1, tests  # test_nccl_env has no [nccl] id: not counted
+    assert tests.failures == [
+        "test_b::test_y[2-nccl]: WorkerError: rank 1 raised: DistBackendError: NCCL error ... "
+        "Cuda failure 'out of memory'", "test_b::test_w[nccl]: failed on setup"], tests
+    assert tests.skip_reasons == ["no GPU"]
+    assert gpu_check.read_report(str(tmp_path / "missing.xml")) == gpu_check.Tests()
 
 
 def _sleeper(tmp_path):
@@ -99,19 +200,29 @@ def test_a_step_past_its_time_limit_is_stopped_with_its_children_and_reported(tm
 
 def test_a_failed_step_puts_its_failing_tests_in_the_summary_and_a_step_that_ran_nothing_fails(
         tmp_path):
+    """Without a report (pytest died) the log's FAILED lines stand in; a step whose [backend]
+    tests were all skipped fails, naming why they were skipped; an earlier run's report is
+    removed before a step starts, never read as this run's."""
     failing = Step("nccl-tests", [sys.executable, "-c", "print('....F'); print('FAILED t.py::"
                                   "test_ring[nccl] - AssertionError: y=1.3'); raise SystemExit(1)"],
                    {}, "fails")
-    skipped_all = Step("sanitizer", [sys.executable, "-c", "pass"], {}, "skips",
-                       report=str(tmp_path / "skipped.xml"))
-    (tmp_path / "skipped.xml").write_text(
-        '<testsuites><testsuite tests="4" failures="0" errors="0" skipped="4"/></testsuites>')
-    outcomes = [run_step(failing, str(tmp_path)), run_step(skipped_all, str(tmp_path))]
+    skipped_xml, stale_xml = tmp_path / "skipped.xml", tmp_path / "stale.xml"
+    all_skipped = ('<testsuites><testsuite><testcase name="test_a[nccl]"><skipped message="no '
+                   'GPU"/></testcase><testcase name="test_nccl_words"/></testsuite></testsuites>')
+    skipped_all = Step("sanitizer", [sys.executable, "-c", f"open({str(skipped_xml)!r}, 'w')."
+                                     f"write({all_skipped!r})"], {}, "skips",
+                       report=str(skipped_xml), backend="nccl")
+    stale_xml.write_text('<testsuite><testcase name="test_a[nccl]"/></testsuite>')
+    wrote_nothing = Step("profile", [sys.executable, "-c", "pass"], {}, "writes no report",
+                         report=str(stale_xml), backend="nccl")
+    outcomes = [run_step(step, str(tmp_path)) for step in (failing, skipped_all, wrote_nothing)]
     block = summary(outcomes, str(tmp_path))
     assert block.splitlines()[0].startswith(
-        f"{gpu_check.PROG}: 0 of 2 steps passed; FAILED: nccl-tests, sanitizer; results in"), block
+        f"{gpu_check.PROG}: 0 of 3 steps passed; FAILED: nccl-tests, sanitizer, profile; "
+        f"results in"), block
     assert "| FAILED t.py::test_ring[nccl] - AssertionError: y=1.3" in block, block
-    assert "no test ran, 4 skipped" in block, block
+    assert "no [nccl] test passed, 1 passed, 1 skipped" in block and "| no GPU" in block, block
+    assert "no [nccl] test passed; log profile.log" in block and not stale_xml.exists(), block
 
 
 def test_one_gpu_needs_the_sharing_switch_and_the_flag_and_the_variable_are_the_same(
@@ -125,7 +236,7 @@ def test_one_gpu_needs_the_sharing_switch_and_the_flag_and_the_variable_are_the_
     monkeypatch.setenv(SHARE_GPU_ENV, "1")
     assert gpu_check.main(["--dry-run"], gpus=1) == 0
     assert capsys.readouterr().out == by_flag
-    assert by_flag.count(f"{SHARE_GPU_ENV}=1 ") == 3 and "large-overlap" not in by_flag, by_flag
+    assert by_flag.count(f"{SHARE_GPU_ENV}=1 ") == 4 and "large-overlap" not in by_flag, by_flag
     for bad, words in [("yes", [f"{SHARE_GPU_ENV}='yes'", "valid are 1"])]:
         monkeypatch.setenv(SHARE_GPU_ENV, bad)
         assert gpu_check.main(["--dry-run"], gpus=1) == 2
@@ -140,10 +251,94 @@ def test_one_gpu_needs_the_sharing_switch_and_the_flag_and_the_variable_are_the_
 def test_ranks_share_a_gpu_through_nccls_own_switch_where_it_exists(version, words):
     env = [initialize.share_gpu_env(rank, version) for rank in range(3)]
     if version >= initialize.MULTI_RANK_GPU_SINCE:
-        assert env == [{initialize.MULTI_RANK_GPU_ENV: "1"}] * 3, env
+        assert env == [{initialize.MULTI_RANK_GPU_ENV: "1", **initialize.SOCKETS_ONLY}] * 3, env
     else:  # the same host id on two ranks: "Duplicate GPU detected"
         assert len({e["NCCL_HOSTID"] for e in env}) == 3, env
         assert all(initialize.MULTI_RANK_GPU_ENV not in e for e in env), env
     route = initialize.share_gpu_route(version)
     assert route.startswith("through ") and all(w in route for w in words), route
 
+
+
+def test_two_ranks_per_gpu_through_nccls_switch_and_sockets_pinned_either_way(monkeypatch):
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 1)
+    share = {SHARE_GPU_ENV: "1"}
+    assert initialize.nccl_rank_capacity(share, (2, 30, 4)) == initialize.MULTI_RANK_GPU_MAX == 2
+    assert initialize.nccl_rank_capacity(share, (2, 29, 7)) >= 8
+    monkeypatch.setenv(SHARE_GPU_ENV, "1")
+    monkeypatch.setattr(initialize, "nccl_version", lambda: (2, 30, 4))
+    assert initialize.choose_backend(2, "cuda") == "nccl"
+    with pytest.raises(ValueError, match="runs at most 2; use at most 2 ranks or device=cpu"):
+        initialize.choose_backend(3, "cuda")
+    for version in ((2, 30, 4), (2, 29, 7)):  # whatever the machine's image set
+        env = initialize.share_gpu_env(0, version)
+        assert {k: env[k] for k in initialize.SOCKETS_ONLY} == {
+            "NCCL_NET": "Socket", "NCCL_NET_PLUGIN": "none", "NCCL_COLLNET_ENABLE": "0"}, env
+
+
+def _fake_torch(cuda=None, init_error=None, devices=1):
+    def init():
+        if init_error:
+            raise RuntimeError(init_error)
+    return types.SimpleNamespace(
+        __version__="2.13.0" + ("+cpu" if cuda is None else ""),
+        version=types.SimpleNamespace(cuda=cuda),
+        cuda=types.SimpleNamespace(init=init, device_count=lambda: devices))
+
+
+@pytest.mark.parametrize("torch_, driver, words", [
+    (_fake_torch(), None, ["no CUDA here: torch 2.13.0+cpu is a CPU build", "driver unknown",
+                           "`pip install torch==2.13.0` (CUDA 13)", "whl/cu126"]),
+    (_fake_torch("13.0", "The NVIDIA driver on your system is too old (found version 12020)."
+                 "\nPlease update"), "535.104.05",
+     ["CUDA failed to start: torch 2.13.0 (a CUDA 13.0 build) says: The NVIDIA driver on your "
+      "system is too old (found version 12020).;", "driver 535.104.05 runs the CUDA 12 build",
+      "--index-url https://download.pytorch.org/whl/cu126`"]),
+    (_fake_torch("13.0", devices=0), "580.95.05", ["no CUDA GPU here", "sees none"]),
+    (_fake_torch("12.6", "Found no NVIDIA driver on your system"), "470.1",
+     ["Found no NVIDIA driver", "driver 470.1 is older than any torch 2.13 build", ">= 525"]),
+])
+def test_without_a_working_gpu_the_refusal_says_whether_torch_is_a_cpu_build_or_cuda_failed(
+        torch_, driver, words):
+    line = machine.cuda_problem(torch_, driver)
+    assert "\n" not in line and all(w in line for w in words), line
+    assert machine.cuda_problem(_fake_torch("13.0"), "580.95.05") is None
+
+
+def test_the_summary_names_the_torch_build_and_whether_the_driver_runs_it():
+    assert machine.build_line(_fake_torch("13.0"), "580.95.05") == \
+        "torch 2.13.0 (CUDA 13.0 build; driver 580.95.05, which runs it)"
+    line = machine.build_line(_fake_torch("13.0"), "550.54.14")
+    assert "driver 550.54.14 runs the CUDA 12 build" in line and "cu126" in line, line
+    assert machine.wheel_for("525.60.13")[0] == "12" and machine.wheel_for("520.1") is None
+
+
+def test_plain_gpu_check_here_refuses_in_one_line_and_a_single_process_gpu_is_refused(
+        monkeypatch, capsys):
+    import torch
+    if not torch.cuda.is_available():  # what this machine really has
+        assert gpu_check.main([]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("a CPU build" in err or "CUDA failed" in err), err
+    monkeypatch.setattr(machine, "single_process_gpus", lambda: {0: "Exclusive_Process"})
+    assert gpu_check.main(["--share-gpu"], gpus=1) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compute mode is Exclusive_Process" in err, err
+    assert "nvidia-smi -i 0 -c DEFAULT" in err, err
+
+
+def test_steps_names_the_steps_to_run_and_an_unknown_one_is_refused(tmp_path, capsys):
+    assert gpu_check.main(["--rehearse", "--dry-run", "--steps", "sanitizer,nccl-smoke"]) == 0
+    printed = capsys.readouterr().out
+    assert [line.split()[0] for line in printed.splitlines()] == ["nccl-smoke", "sanitizer"]
+    assert gpu_check.main(["--rehearse", "--dry-run", "--steps", "nccl-test"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nccl-test is not a step" in err and "nccl-tests" in err
+
+
+def test_a_k_expression_is_not_taken_for_a_folder_of_that_name(tmp_path, monkeypatch):
+    from tensor_parallel_toy.__main__ import _paths
+    (tmp_path / "nccl").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _paths(["-k", "nccl", "--junitxml=r.xml"]) == []
+    assert _paths(["nccl", "-x"]) == ["nccl"]
