@@ -23,7 +23,7 @@ def _test(extra_args):
              f"; NCCL tests skipped ({gpus} CUDA GPUs, they need >= 2)"), flush=True)
     tests_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
     # Test files named on the command line replace the default: the whole suite.
-    targets = [] if _paths(extra_args) else [tests_dir]
+    targets = [] if path_arguments(extra_args) else [tests_dir]
     # -rfEs: the short summary lists failures, errors and skips (-rs alone would drop pytest's
     # default -rfE, and with it the FAILED lines). Plugins the suite does not use, where
     # installed, are left out: each one slows every start (gpu-check starts the suite twice).
@@ -42,7 +42,7 @@ _TAKES_A_VALUE = {"-k", "-m", "-p", "-o", "-c", "-W", "--deselect", "--ignore", 
                   "--basetemp", "--confcutdir", "--override-ini", "--tb", "-r"}
 
 
-def _paths(args):
+def path_arguments(args):
     """The arguments that name test files or folders (not an option's value)."""
     return [a for i, a in enumerate(args) if not a.startswith("-")
             and (i == 0 or args[i - 1] not in _TAKES_A_VALUE)
@@ -76,9 +76,10 @@ def main(argv=None):
                    help="train baseline / tp / tp_overlap / dtensor side by side and measure "
                         "them; `profile --help` lists the flags")
     sub.add_parser("gpu-check", add_help=False,
-                   help="run the NCCL tests, the CUDA stream sanitizer, a profile and a "
-                        "large-shape overlap benchmark on this machine's GPUs (--rehearse: "
-                        "the same steps on CPU); `gpu-check --help` lists the flags")
+                   help="run a two-rank NCCL smoke test, the NCCL tests, the CUDA stream "
+                        "sanitizer, a profile and a large-shape overlap benchmark on this "
+                        "machine's GPUs (--rehearse: the same steps on CPU); `gpu-check --help` "
+                        "lists the flags")
     sub.add_parser("blog", help="redraw the posts' conceptual figures and render blog/src/*.md "
                                 "with the numbers of the committed profile runs")
     args, extra = parser.parse_known_args(argv)

@@ -52,8 +52,11 @@ def wheel_for(driver):
 def wheel_advice(driver):
     """One phrase: which torch build this machine's driver runs, and the command."""
     if driver is None:
-        return ("driver unknown (no nvidia-smi): " + "; ".join(
-            f"driver >= {oldest}: `{command}` (CUDA {cuda})" for oldest, cuda, command in WHEELS))
+        ranges = [f"{oldest} or newer" if i == 0 else f"{oldest} to {WHEELS[i - 1][0] - 1}"
+                  for i, (oldest, _, _) in enumerate(WHEELS)]
+        return "the driver unknown (no nvidia-smi): " + "; ".join(
+            f"driver {span}, the CUDA {cuda} build: `{command}`"
+            for span, (_, cuda, command) in zip(ranges, WHEELS))
     fits = wheel_for(driver)
     if fits is None:
         return (f"driver {driver} is older than any torch 2.13 build supports (>= "

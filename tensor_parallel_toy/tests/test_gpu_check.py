@@ -288,7 +288,9 @@ def _fake_torch(cuda=None, init_error=None, devices=1):
 
 @pytest.mark.parametrize("torch_, driver, words", [
     (_fake_torch(), None, ["no CUDA here: torch 2.13.0+cpu is a CPU build", "driver unknown",
-                           "`pip install torch==2.13.0` (CUDA 13)", "whl/cu126"]),
+                           "driver 580 or newer, the CUDA 13 build: `pip install torch==2.13.0`",
+                           "driver 525 to 579, the CUDA 12 build: `pip install torch==2.13.0 "
+                           "--index-url https://download.pytorch.org/whl/cu126`"]),
     (_fake_torch("13.0", "The NVIDIA driver on your system is too old (found version 12020)."
                  "\nPlease update"), "535.104.05",
      ["CUDA failed to start: torch 2.13.0 (a CUDA 13.0 build) says: The NVIDIA driver on your "
@@ -337,8 +339,8 @@ def test_steps_names_the_steps_to_run_and_an_unknown_one_is_refused(tmp_path, ca
 
 
 def test_a_k_expression_is_not_taken_for_a_folder_of_that_name(tmp_path, monkeypatch):
-    from tensor_parallel_toy.__main__ import _paths
+    from tensor_parallel_toy.__main__ import path_arguments
     (tmp_path / "nccl").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert _paths(["-k", "nccl", "--junitxml=r.xml"]) == []
-    assert _paths(["nccl", "-x"]) == ["nccl"]
+    assert path_arguments(["-k", "nccl", "--junitxml=r.xml"]) == []
+    assert path_arguments(["nccl", "-x"]) == ["nccl"]

@@ -180,7 +180,7 @@ def test_parallel_linear_takes_transposed_views_of_batch_first_tensors(pools, tp
 @pytest.mark.parametrize("tp", [2, 4])
 def test_overlapped_bf16_weight_grad_is_as_accurate_as_basic(pools, tp, kind, backend):
     # On CUDA the overlapped sum runs bf16 GEMMs with fp32 output, on CPU upcast fp32 GEMMs
-    # (support.gemm.WeightGradAccumulator): both must match the basic layer's accuracy.
+    # (ring.WeightGradAccumulator): both must match the basic layer's accuracy.
     for rank, errors in enumerate(pools(tp, backend).run(_on_rank_bf16_weight_grad_error, kind)):
         basic, overlapped = errors[False], errors[True]
         # Both round one fp32 sum to bf16 once; the sums differ only in fp32 round-off.

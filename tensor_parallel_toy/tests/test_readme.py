@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAX_LINES = 200
 ALLOWED_NUMBERS = {"3.10",  # the Python version the package needs
                    "2.13",  # the torch version pinned
-                   "3.0", "3.2", "3.3", "2.5"}  # versions in family names (Llama 3.2, Qwen2.5)
+                   "3.0", "3.2", "3.3", "2.5",  # versions in family names (Llama 3.2, Qwen2.5)
+                   "580", "525", "579"}  # NVIDIA driver branches: which torch build each runs
 _PYTHON_BLOCK = re.compile(r"^```python\s*$")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
 
