@@ -326,13 +326,40 @@ def exit_meaning(code):
     return f"exit code {code}, {name}" + (f": {meaning}" if meaning else "")
 
 
-def _exit_with_parent(parent_pid):
-    """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks."""
+def _exit_with_launcher(launcher_pid):
+    """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks. A
+    worker's parent is the launcher (spawn) or the fork server, which exits with the launcher:
+    either way, once the parent changes, or the launcher is gone, the worker exits."""
+    parent = os.getppid()
+
+    def launcher_alive():
+        try:
+            os.kill(launcher_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and launcher_alive():
             time.sleep(1.0)
         os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
+def _start_context():
+    """How workers start: forked from a fork server that imported torch and this package once,
+    so a pool starts in a fraction of a second instead of a few seconds per rank (a spawned
+    process imports torch anew). The server does nothing but import: no thread pool, no CUDA,
+    so its children start as clean as spawned ones, and each worker takes the launcher's
+    environment as it is when the pool starts (`_worker_main`). Where there is no fork server
+    (Windows), spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "tensor_parallel_toy"])  # read once it starts
+    return ctx
 
 
 # Set to one of INJECTABLE, a worker fails on purpose, so that a run on CPU shows what a
@@ -357,9 +384,13 @@ def _injected(stage, rank, world_size):
         os.abort()
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid,
-                 high_priority_streams=False):
-    _exit_with_parent(parent_pid)
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, launcher_pid,
+                 environ, high_priority_streams=False):
+    # A forked worker inherits the fork server's environment, from when it started: take the
+    # launcher's as it is now, as a spawned worker would.
+    os.environ.clear()
+    os.environ.update(environ)
+    _exit_with_launcher(launcher_pid)
     try:
         _injected("start", rank, world_size)
         nccl = {}
@@ -410,18 +441,19 @@ class WorkerPool:
         # torchrun job, can never collide on a port.
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
                         args=(rank, world_size, self._store.port, self.backend, timeout_s,
                               self._tasks[rank], self._results, os.getpid(),
-                              high_priority_streams))
+                              dict(os.environ), high_priority_streams))
             for rank in range(world_size)]
         for proc in self._procs:
             proc.start()
-        # Spawning imports torch: by default allow for a slow start.
+        # The first pool of a process starts the fork server, which imports torch: by default
+        # allow for a slow start.
         self._collect("ready", start_timeout_s or timeout_s + 60)
 
     @property

@@ -260,3 +260,38 @@ def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(tmp
             assert proc.returncode == 2 and err.strip() == ours[0], f"{name}:\n{err[-3000:]}"
         else:
             assert proc.returncode != 0 and "exitcode  : 2" in err, f"{name}:\n{err[-3000:]}"
+
+
+_POOL_THEN_WAIT = ("import os, sys, time\n"
+                   "from tensor_parallel_toy.launcher.initialize import WorkerPool\n"
+                   "if __name__ == '__main__':\n"
+                   "    pool = WorkerPool(2)\n"
+                   "    print(' '.join(str(p.pid) for p in pool._procs), flush=True)\n"
+                   "    time.sleep(600)\n")
+
+
+def test_a_killed_launchers_workers_exit_within_seconds(tmp_path):
+    """SIGKILL gives the launcher no chance to stop its workers: they notice by themselves (their
+    parent, the launcher or the fork server that ends with it, is gone)."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_POOL_THEN_WAIT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(workers) == 2, workers
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while time.monotonic() < deadline and not all(_exited(p) for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if not _exited(p)]
+    assert not alive, f"workers {alive} outlived their killed launcher"
+
+
+def _exited(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] in ("Z", "X")  # dead, not yet reaped
+    except FileNotFoundError:
+        return True
