@@ -486,8 +486,9 @@ class WorkerPool:
             if status == "error":
                 cause = raised(payload)
                 # When a rank dies, its peers soon raise "connection closed": give the launcher
-                # a moment to see the death, so the error names the cause, not a consequence.
-                time.sleep(1.0)
+                # a moment to see the death, so the error names the cause, not a consequence;
+                # no need once every rank has answered (the usual case: all raised alike).
+                self._await_answers_or_a_death({rank, *got}, time.monotonic() + 1.0)
                 self._raise_if_a_rank_died(also=f"rank {rank} then raised: {cause}",
                                            besides=rank)  # it leaves after raising at start
                 # The other ranks may be blocked in a collective this rank will never join.
@@ -499,6 +500,15 @@ class WorkerPool:
             assert status == expected, (status, expected)
             got[rank] = payload
         return [got[r] for r in range(self.world_size)]
+
+    def _await_answers_or_a_death(self, answered, deadline):
+        while len(answered) < self.world_size and time.monotonic() < deadline:
+            if any(not p.is_alive() for r, p in enumerate(self._procs) if r not in answered):
+                return
+            try:
+                answered.add(self._results.get(timeout=0.05)[0])
+            except queue.Empty:
+                pass
 
     def _raise_if_a_rank_died(self, also="", besides=None):
         dead = [(r, p.exitcode) for r, p in enumerate(self._procs)

@@ -2,8 +2,8 @@
 
 A pool's ranks are forked from a fork server that imported torch once (a fraction of a second
 per pool after the first), and forming their process group still takes a moment, so the suite
-keeps one pool per world size, not one per test. A pool that lost a rank (a worker error kills it) is replaced on next use;
-a pool that could not start is not tried again (see `helpers.Pools`).
+keeps one pool per world size, not one per test. A pool that lost a rank (a worker error kills
+it) is replaced on next use; a pool that could not start is not tried again (`helpers.Pools`).
 """
 import pytest
 

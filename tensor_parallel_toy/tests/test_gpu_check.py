@@ -6,6 +6,7 @@ Failures are rehearsed too: a rank that raises, one that aborts, one that never 
 group (TENSOR_PARALLEL_TOY_INJECT_FAILURE), and a pool that cannot start; each is named in the
 summary's first lines with its step, its test and its cause.
 """
+import concurrent.futures
 import os
 import sys
 import time
@@ -101,25 +102,34 @@ def test_a_hang_at_process_group_start_fails_the_smoke_step_in_seconds_and_stops
     assert not (tmp_path / "gpu" / "nccl-tests.log").exists()
 
 
-def test_a_failing_test_is_named_with_its_rank_and_cause_before_the_steps_that_passed(tmp_path):
-    """A test step whose rank raises (its one [gloo] test): the summary's first lines name the
-    step, the test and the rank's own error, read from pytest's JUnit report. A passed step
-    after it is listed after it. (A rank that aborts, exit -6 as NCCL's watchdog aborts, is
-    named the same way: test_launcher.py.)"""
-    step = next(s for s in gpu_check.plan(1, True, str(tmp_path), rehearse=True,
-                                          tests=ONE_GLOO_TEST) if s.name == "sanitizer")
-    step.env[INJECT_ENV] = "raise"
-    # Collect that test's file only: a quicker start.
-    step.argv.append(os.path.join(os.path.dirname(__file__), "test_parallel_linear.py"))
+def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_passed(
+        tmp_path):
+    """The suite's own test steps, one [gloo] test each, one with a rank that raises, the other
+    with a rank that aborts (exit -6, as NCCL's watchdog aborts one): the summary's first lines
+    name each step, its test and the cause, read from pytest's JUnit report; a step that
+    passed comes after them."""
+    steps = {s.name: s for s in gpu_check.plan(1, True, str(tmp_path), rehearse=True,
+                                                tests=ONE_GLOO_TEST)}
+    injected = [("nccl-tests", "raise"), ("sanitizer", "abort")]
+    for name, what in injected:
+        steps[name].env[INJECT_ENV] = what
+        # Collect that test's file only: a quicker start.
+        steps[name].argv.append(os.path.join(os.path.dirname(__file__), "test_parallel_linear.py"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # they mostly wait: run together
+        outcomes = list(pool.map(lambda job: run_step(steps[job[0]], str(tmp_path)), injected))
     passed = gpu_check.Outcome(Step("nccl-smoke", [], {}, ""), "passed", 5.0, "log x.log", [])
-    block = summary([passed, run_step(step, str(tmp_path))], str(tmp_path)).splitlines()
-    assert "1 of 2 steps passed; FAILED: sanitizer;" in block[0], block
+    block = summary([passed, *outcomes], str(tmp_path)).splitlines()
+    assert "1 of 3 steps passed; FAILED: nccl-tests, sanitizer;" in block[0], block
     test = "test_parallel_linear::test_parallel_linear_matches_full_linear[2-column-overlap-"
-    assert block[1].split()[:2] == ["FAILED", "sanitizer"] and "1 failed" in block[1], block
+    assert block[1].split()[:2] == ["FAILED", "nccl-tests"] and "1 failed" in block[1], block
     assert block[2].startswith(f"      | {test}"), block
     assert (": WorkerError: rank 1 raised: RuntimeError: injected by "
             f"{INJECT_ENV}=raise") in block[2], block
-    assert block[3].split()[:2] == ["passed", "nccl-smoke"], block
+    assert block[3].split()[:2] == ["FAILED", "sanitizer"] and "1 failed" in block[3], block
+    assert block[4].startswith(f"      | {test}"), block
+    assert ": WorkerError: rank 1 died (exit code -6, SIGABRT: an abort, as NCCL's watchdog" \
+        in block[4], block
+    assert block[5].split()[:2] == ["passed", "nccl-smoke"], block
 
 
 def test_a_pool_that_failed_to_start_fails_later_tests_at_once_with_its_first_error():

@@ -212,22 +212,33 @@ def test_bad_flags_are_one_line_and_exit_status_2(flags, words, capsys, tmp_path
     assert all(w in err for w in words), err
 
 
-# Each real command costs a Python start and a torch import (~4 s on 2 cores): a few, one per
-# kind of check (a range, the output folder, the device); the in-process test covers the rest.
-@pytest.mark.parametrize("flags, words", [
+# Each real command costs a Python start and a torch import (~3 s on 2 cores): a few, one per
+# kind of check (a range, the output folder, the device), started together; the in-process test
+# covers the rest.
+REAL_BAD_FLAGS = [
     (["--tp", "0"], ["--tp 0", "between 2 and 64"]),
     (["--out", "/proc/no/such/folder"], ["--out '/proc/no/such/folder'", "cannot create"]),
 ] + ([(["--device", "cuda"], ["--device cuda", "no CUDA device"])]
-     if not torch.cuda.is_available() else []))
-def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(flags, words, tmp_path):
+     if not torch.cuda.is_available() else [])
+
+
+def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(tmp_path):
     """As a real command: exit status 2, one line on stderr, no traceback, nothing spawned."""
-    out = ["--out", str(tmp_path / "out")] if "--out" not in flags else []
-    proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out],
-                          capture_output=True, text=True, timeout=60)
-    err = proc.stderr.strip()
-    assert proc.returncode == 2, (proc.returncode, err)
-    assert "\n" not in err and "Traceback" not in err and "spawning" not in proc.stdout, err
-    assert all(w in err for w in words), err
+    procs = []
+    for i, (flags, _) in enumerate(REAL_BAD_FLAGS):
+        out = ["--out", str(tmp_path / f"out{i}")] if "--out" not in flags else []
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc, (flags, words) in zip(procs, REAL_BAD_FLAGS):
+        try:
+            printed, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        err = err.strip()
+        assert proc.returncode == 2, (flags, proc.returncode, err)
+        assert "\n" not in err and "Traceback" not in err and "spawning" not in printed, err
+        assert all(w in err for w in words), (flags, err)
 
 
 def test_an_interrupted_write_leaves_the_previous_results_intact(tmp_path, monkeypatch):
