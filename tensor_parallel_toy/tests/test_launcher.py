@@ -275,7 +275,11 @@ def test_a_killed_launchers_workers_exit_within_seconds(tmp_path):
     parent, the launcher or the fork server that ends with it, is gone)."""
     script = tmp_path / "launcher.py"
     script.write_text(_POOL_THEN_WAIT)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(  # what pip install -e . gives
+        [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=env)
     try:
         workers = [int(pid) for pid in proc.stdout.readline().split()]
     finally:
