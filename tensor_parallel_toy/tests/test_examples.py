@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -48,3 +50,18 @@ def test_fsdp_tp_2d_losses_equal_the_one_device_models_on_a_2x2_grid(pools):
     for r, result in enumerate(pools(4).run(fsdp_tp_2d.run_rank)):
         diff = max(abs(a - b) for a, b in zip(result["2d"], result["one_device"]))
         assert len(result["2d"]) == fsdp_tp_2d.STEPS and diff <= fsdp_tp_2d.TOL, (r, result)
+
+
+def test_generate_tp_generates_the_same_tokens_under_tp_as_on_one_device(pools):
+    """The example's rank function on the suite's 2-rank pool, trained 3 steps: greedy and
+    sampled tokens under TP equal one device's with the same weights, after the prompts."""
+    from tensor_parallel_toy.examples import generate_tp
+
+    ids, _ = generate_tp.encode(generate_tp.PROMPTS)
+    for r, out in enumerate(pools(2).run(generate_tp.run_rank, 3, 8)):
+        for name in ("greedy", "sampled"):
+            tp_tokens, one_tokens = out[name]
+            assert tp_tokens.shape == (len(generate_tp.PROMPTS), ids.shape[1] + 8), name
+            assert torch.equal(tp_tokens[:, :ids.shape[1]], ids), (r, name)
+            assert torch.equal(tp_tokens, one_tokens), (r, name, tp_tokens, one_tokens)
+        assert not torch.equal(out["greedy"][0], out["sampled"][0]), "nothing was sampled"

@@ -1,0 +1,161 @@
+"""Generating text under TP (inference/generate.py) against one device and `transformers`.
+
+Checked: greedy tokens at TP 2 and 4 equal Hugging Face's own `generate` on tiny random Llama
+3.2-like (8 query heads, 2 k/v heads: at TP 4 two ranks share each k/v head) and Qwen3-like
+(q/k norms, head_dim 24) models, on a batch of a 7-token and a left-padded 4-token prompt; the
+tokens one device generates through the KV cache are the argmax of the model's own full
+forward at every position; sampled tokens equal one device's for the same seed; each rank's KV
+cache is 1/p of one device's, or one shared head per rank when there are fewer k/v heads than
+ranks; ranks that draw different tokens, or are given different prompts, raise one line on
+every rank; bad requests are refused in one line before any collective.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tensor_parallel_toy import ModelConfig, Transformer, from_hf, load_full_state_dict
+from tensor_parallel_toy.guards import RanksDisagreeError
+from tensor_parallel_toy.inference.generate import KVCache, generate
+
+from .helpers import draw_norms_and_biases_, import_transformers, world
+
+NEW = 6  # tokens generated per prompt
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+SHAPES = {"llama3.2": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(num_attention_heads=8, tie_word_embeddings=True)),
+          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24))}
+
+
+def _prompts(vocab):
+    """A 7-token prompt and a 4-token one, left-padded with 0s, as a tokenizer pads them."""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, vocab, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name):
+    """In the pytest process: (config, baseline state, ids, mask, Hugging Face's greedy tokens,
+    its eos id)."""
+    transformers = import_transformers()
+    config_cls, model_cls, change = SHAPES[name]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **change}))
+    draw_norms_and_biases_(hf.eval())
+    ids, mask = _prompts(hf.config.vocab_size)
+    with torch.no_grad():
+        tokens = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0)
+    config, state = from_hf(hf)
+    return config, state, ids, mask, tokens, hf.config.eos_token_id
+
+
+def _tp_model(config, state):
+    model = Transformer(config, tp_group=dist.group.WORLD, seed=5)
+    load_full_state_dict(model, state)
+    return model.eval()
+
+
+def _on_rank_greedy(cases):
+    """Per case: our greedy tokens at this TP size, and the KV cache's bytes here and on one
+    device."""
+    out = {}
+    for name, (config, state, ids, mask, _, eos) in cases.items():
+        tp = _tp_model(config, state)
+        one = Transformer(config, seed=5)
+        load_full_state_dict(one, state)
+        out[name] = {"tokens": generate(tp, ids, mask, max_new_tokens=NEW, eos_token_id=eos),
+                     "cache": KVCache(tp, 2, 16).nbytes(), "one": KVCache(one, 2, 16).nbytes()}
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_tokens_equal_hugging_faces_generate_and_the_cache_is_split(pools, tp):
+    cases = {name: reference(name) for name in SHAPES}
+    for rank, got in enumerate(pools(tp).run(_on_rank_greedy, cases)):
+        for name, (config, *_, hf_tokens, _) in cases.items():
+            assert torch.equal(got[name]["tokens"], hf_tokens), (
+                f"{name} tp={tp} rank {rank}:\nours {got[name]['tokens'].tolist()}\n"
+                f"hf   {hf_tokens.tolist()}")
+            # Each rank caches its own k/v heads: nkv/p of them, or one it shares when nkv < p.
+            share = max(config.num_kv_heads // tp, 1) / config.num_kv_heads
+            assert got[name]["cache"] == got[name]["one"] * share, (name, tp, got[name])
+
+
+SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=64, max_seq_len=24, mlp="swiglu")
+
+
+def _on_rank_sampled(seeds):
+    """Sampled tokens at TP 2 for this rank's seed, and one device's for seed 0."""
+    _, _, rank = world()
+    one = Transformer(SMALL, seed=3)
+    tp = Transformer(SMALL, tp_group=dist.group.WORLD, seed=3)
+    ids, mask = _prompts(SMALL.vocab_size)
+    kwargs = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20)
+    try:
+        mine = generate(tp, ids, mask, seed=seeds[rank], **kwargs)
+    except RanksDisagreeError as e:
+        mine = str(e)
+    return mine, generate(one, ids, mask, seed=0, **kwargs)
+
+
+def test_sampled_tokens_equal_one_devices_and_ranks_that_draw_differently_raise(pools):
+    for mine, one in pools(2).run(_on_rank_sampled, [0, 0]):
+        assert torch.equal(mine, one), (mine.tolist(), one.tolist())
+        assert len(set(mine[:, 7:].flatten().tolist())) > 2, "nothing was sampled"
+    for message, _ in pools(2).run(_on_rank_sampled, [0, 1]):  # a rank with another seed
+        assert isinstance(message, str) and "\n" not in message, message
+        assert "chose different tokens at step" in message and "seed=" in message, message
+
+
+def _on_rank_checks():
+    _, _, rank = world()
+    tp = Transformer(SMALL, tp_group=dist.group.WORLD, seed=3)
+    ids, mask = _prompts(SMALL.vocab_size)
+    messages = []
+    for args, kwargs in [((ids, mask), dict(max_new_tokens=20)),  # 7 + 20 > 24 positions
+                         ((ids, torch.zeros_like(mask)), {}),  # empty prompts
+                         ((ids[:, :0],), {}),
+                         ((ids + 64,), {}),  # ids past the vocabulary
+                         ((ids + rank,), dict(max_new_tokens=2)),  # different prompts
+                         ((ids,), dict(max_new_tokens=2 + rank))]:  # different requests
+        try:
+            generate(tp, *args, **kwargs)
+            messages.append(None)
+        except ValueError as e:  # RanksDisagreeError included
+            messages.append(f"{type(e).__name__}: {e}")
+    return messages
+
+
+def test_bad_requests_are_one_line_on_every_rank(pools):
+    expected = [["ValueError: a prompt of 7 positions plus max_new_tokens=20 is 27 positions, "
+                 "more than the model's max_seq_len=24"],
+                ["ValueError: prompt 0 is empty (its attention_mask is all 0)"],
+                ["ValueError: input_ids of shape (2, 0)"],
+                ["token id", "out of range: valid are 0..63"],
+                ["RanksDisagreeError: the ranks of the tensor-parallel group were given "
+                 "different input_ids"],
+                ["RanksDisagreeError: the 2 ranks of the tensor-parallel group built different "
+                 "generate() requests: max_new_tokens: 2 on rank 0, 3 on rank 1"]]
+    for rank, messages in enumerate(pools(2).run(_on_rank_checks)):
+        assert len(messages) == len(expected)
+        for message, words in zip(messages, expected):
+            assert message and "\n" not in message and all(w in message for w in words), (
+                rank, message)
+
+
+def test_the_tokens_one_device_generates_are_its_full_forwards_argmax_at_every_step():
+    """The KV cache path against the model itself: feed the whole generated sequence through
+    `model(ids)` and take the argmax at each position that produced a token."""
+    model = Transformer(SMALL, seed=4).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    out = generate(model, ids, max_new_tokens=10)
+    with torch.no_grad():
+        full = model(out).argmax(-1)  # [b, s + n]: the next token after each position
+    assert torch.equal(full[:, 4:-1], out[:, 5:]), (full[:, 4:-1].tolist(), out[:, 5:].tolist())
