@@ -2,7 +2,8 @@
 
     cli.py, spec.py   the command: its flags, checked, and the typed run every phase receives
     run/              running the modes: the phases on the ranks, the interleaved training,
-                      its data, the Hugging Face mode, classic TP without SP for its memory
+                      its data, the Hugging Face mode, classic TP without SP for its memory,
+                      and generation's cost per token (decode.py, a command of its own)
     measure/          measuring: memory and timing meters, the per-op overlap benchmark, the
                       timeline of one block, every transfer seen from outside, the memory model
     wires/            the wires the ranks talk over: an emulated link (network namespaces, a

@@ -10,6 +10,7 @@ ranks; ranks that draw different tokens, or are given different prompts, raise o
 every rank; bad requests are refused in one line before any collective.
 """
 import functools
+import json
 
 import pytest
 import torch
@@ -159,3 +160,42 @@ def test_the_tokens_one_device_generates_are_its_full_forwards_argmax_at_every_s
     with torch.no_grad():
         full = model(out).argmax(-1)  # [b, s + n]: the next token after each position
     assert torch.equal(full[:, 4:-1], out[:, 5:]), (full[:, 4:-1].tolist(), out[:, 5:].tolist())
+
+
+def test_the_decode_measurement_reports_latency_transfers_and_the_cache(pools, tmp_path,
+                                                                        capsys):
+    """A tiny run of `profiling/run/decode.py` on the suite's 2-rank pool: per batch size both
+    modes' latency, the transfers a TP token makes (an all-reduce for the embedding and two per
+    block, the logits' all-gather, the tokens' check), and the KV cache against its formula."""
+    from tensor_parallel_toy.profiling.run import decode
+
+    out = tmp_path / "decode"
+    assert decode.main(["--hidden", "64", "--layers", "2", "--batches", "1,3", "--tokens", "3",
+                        "--repeats", "1", "--prompt", "4", "--out", str(out)],
+                       pool=pools(2)) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "decode.json").read_text())
+    assert (out / "summary.txt").read_text().strip() == printed.strip()
+    for b in (1, 3):
+        tp, one = results["modes"][f"tp/b{b}"], results["modes"][f"tp1/b{b}"]
+        assert tp["transfers_per_token"] == 1 + 2 * 2 + 2, tp
+        assert one["transfers_per_token"] == 0 and one["comm_ms"] == 0, one
+        assert tp["latency_ms"]["median"] > 0 and one["latency_ms"]["median"] > 0
+        cache = results["kv_cache"][str(b)]
+        assert cache["tp"] == cache["formula_tp"] == cache["tp1"] // 2 > 0, cache
+        assert cache["tp1"] == cache["formula_tp1"], cache
+    lines = printed.splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["1", "3"], printed
+    assert "decode: TP 2 lowers the latency per token at batch" in printed, printed
+
+
+@pytest.mark.parametrize("flags, words", [(["--tokens", "1"], "--tokens 1: must be 2 or more"),
+                                          (["--batches", "0,2"], "give positive integers"),
+                                          (["--tp", "3"], "not divisible by the tensor-parallel")])
+def test_the_decode_measurements_bad_flags_are_one_line_and_exit_2(flags, words, capsys):
+    from tensor_parallel_toy.profiling.run import decode
+
+    with pytest.raises(SystemExit) as exited:
+        decode.main(flags)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
