@@ -187,6 +187,14 @@ def test_the_decode_measurement_reports_latency_transfers_and_the_cache(pools, t
     lines = printed.splitlines()
     assert [line.split()[0] for line in lines[2:4]] == ["1", "3"], printed
     assert "decode: TP 2 lowers the latency per token at batch" in printed, printed
+    assert "on an H100 (read, not run)" in printed and "Llama 3 70B" in printed, printed
+    # The envelope's weight count is the block's own: SwiGLU and grouped-query attention.
+    config = ModelConfig(**{**decode.DEFAULT_CONFIG, "hidden_size": 64, "num_layers": 2})
+    block = Transformer(config).layers[0]
+    weights = sum(p.numel() for n, p in block.named_parameters() if not n.endswith("norm.weight"))
+    assert weights == decode.block_params(config.hidden_size, config.num_heads,
+                                          config.num_kv_heads, config.head_dim,
+                                          config.ffn_hidden_size), weights
 
 
 @pytest.mark.parametrize("flags, words", [(["--tokens", "1"], "--tokens 1: must be 2 or more"),

@@ -123,6 +123,35 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed):
     return {"rows": rows, "caches": caches}
 
 
+# The back-of-envelope for a GPU node, read, not run: an H100 SXM reads its HBM3 at 3.35 TB/s
+# (NVIDIA's H100 datasheet). A decode step's GEMMs read every weight once for a few tokens, so
+# reading the weights is their time; Llama 3 70B's block (hidden 8192, 64 query and 8 k/v heads
+# of 128, SwiGLU 28672: its config.json) is the large model beside ours.
+HBM_BYTES_PER_S = 3.35e12
+LLAMA3_70B_BLOCK = dict(hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672)
+
+
+def block_params(hidden, heads, kv_heads, head_dim, ffn):
+    """Weights of one block with grouped-query attention and a SwiGLU MLP."""
+    return (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+            + 3 * hidden * ffn)  # gate, up, down
+
+
+def gpu_envelope(config, p, element_size=2):
+    """Per block and decode token on one H100, in microseconds: reading the block's bf16
+    weights, and the most each of TP p's two all-reduces may cost for TP p to still lower the
+    latency (it saves (1 - 1/p) of the read); ours and Llama 3 70B's."""
+    out = {}
+    for name, shape in [("this model", dict(hidden=config.hidden_size, heads=config.num_heads,
+                                            kv_heads=config.num_kv_heads,
+                                            head_dim=config.head_dim,
+                                            ffn=config.ffn_hidden_size)),
+                        ("Llama 3 70B", LLAMA3_70B_BLOCK)]:
+        read_us = block_params(**shape) * element_size / HBM_BYTES_PER_S * 1e6
+        out[name] = {"read_us": read_us, "break_even_all_reduce_us": read_us * (1 - 1 / p) / 2}
+    return out
+
+
 def kv_cache_formula(config, batch, length, p, element_size=4):
     """Bytes of one rank's KV cache: keys and values, per layer, of its k/v heads."""
     heads_here = max(config.num_kv_heads // p, 1)
@@ -190,6 +219,11 @@ def report(results):
                  f"costs {per_transfer:.2f} ms at batch {b0} (latency, not bytes)")
     lines.append(f"  prefill (every prompt token at once): TP {p} takes "
                  f"{min(prefill):.2f}-{max(prefill):.2f} of TP 1's time")
+    gpu = results["gpu_envelope"]
+    lines.append(f"  on an H100 (read, not run): a block's bf16 weights take "
+                 + "; ".join(f"{v['read_us']:.1f} us to read for {name}, so TP {p} pays at "
+                             f"decode if each of its two all-reduces per block costs under "
+                             f"{v['break_even_all_reduce_us']:.1f} us" for name, v in gpu.items()))
     return "\n".join(lines)
 
 
@@ -245,6 +279,7 @@ def main(argv=None, pool=None):
         "tp": args.tp, "batches": batches, "prompt": args.prompt, "tokens": args.tokens,
         "repeats": args.repeats, "threads_per_rank": 1,
         "modes": summarize_rows(first["rows"], args.tokens),
+        "gpu_envelope": gpu_envelope(config, args.tp),
         "kv_cache": {str(b): {**first["caches"][b],
                               "formula_tp": kv_cache_formula(config, b, args.prompt + args.tokens,
                                                              args.tp, element),
