@@ -251,3 +251,22 @@ def test_a_bad_rate_in_a_sweep_is_named(value, words, tmp_path):
     with pytest.raises(profile.UsageError) as info:
         profile.parse_args(["--link", value, "--out", str(tmp_path)], env={})
     assert all(w in str(info.value) for w in words), info.value
+
+
+@needs_link
+def test_the_decode_measurement_runs_over_the_link_one_rank_per_namespace(tmp_path):
+    """`profiling/run/decode.py --link`: the real command, each rank the torchrun path of it in
+    its namespace; rank 0 writes the summary, which names the link, and nothing is left."""
+    out = tmp_path / "decode"
+    before = link.our_namespaces()
+    proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy.profiling.run.decode",
+                           "--hidden", "64", "--layers", "1", "--batches", "1", "--tokens", "3",
+                           "--repeats", "1", "--prompt", "4", "--link", "1gbit", "--out",
+                           str(out)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "decode.json").read_text())
+    assert results["link"]["rate"] == "1gbit" and results["link"]["measured_bits_per_s"] > 0
+    assert results["modes"]["tp/b1"]["transfers_per_token"] == 1 + 2 * 1 + 2, results["modes"]
+    summary = (out / "summary.txt").read_text()
+    assert "over a shaped veth link of 1gbit" in summary and proc.stdout.count(summary) == 1
+    assert link.our_namespaces() == before, "namespaces left after the run"

@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from ...config import ModelConfig
-from ...inference.generate import KVCache, generate
-from ...launcher.initialize import WorkerPool
 from ...guards.collectives import barrier, reduce_numbers
+from ...inference.generate import KVCache, generate
+from ...launcher.initialize import WorkerPool, init_from_env, shutdown
 from ..measure.metrics import summarize
 from ..measure.transfers import recording
+from ..wires import link
 
 PROG = "python -m tensor_parallel_toy.profiling.run.decode"
 # Big enough that a token's GEMMs are not lost in Python's overhead on a CPU, small enough to
@@ -183,9 +184,13 @@ def summarize_rows(rows, tokens):
 def report(results):
     """The summary: one line per batch size, TP 1 beside TP p, then where TP pays."""
     p = results["tp"]
+    wire = results.get("link")
+    wire = (f"a shaped veth link of {wire['rate']} (measured "
+            f"{wire['measured_bits_per_s'] / 1e9:.2f} Gbit/s)" if wire else "loopback")
     lines = [f"decode, {results['model']}: prompt {results['prompt']} tokens, "
-             f"{results['tokens']} generated; TP 1 (one rank) vs TP {p}, medians of "
-             f"{results['repeats']} interleaved repeats, one thread per rank",
+             f"{results['tokens']} generated; TP 1 (one rank) vs TP {p} over {wire}, medians of "
+             f"{results['repeats']} interleaved repeats, {results['threads_per_rank']} thread(s) "
+             f"per rank",
              f"  {'batch':>5}  {'ms/token TP1':>12}  {f'TP{p}':>6}  {'ratio':>5}  "
              f"{f'TP{p} comm':>10}  {'tokens/s TP1':>12}  {f'TP{p}':>6}  "
              f"{'prefill ms TP1':>14}  {f'TP{p}':>6}"]
@@ -227,6 +232,25 @@ def report(results):
     return "\n".join(lines)
 
 
+def _run_on_link(args, argv):
+    """One rank per network namespace, each the torchrun path of this same command."""
+    try:
+        bps = link.parse_rate(args.link)
+        link.check_host()
+        command = [sys.executable, "-m", "tensor_parallel_toy.profiling.run.decode",
+                   *[a for a in link.argv_for_ranks(argv, args.threads) if a not in (
+                       "--device", "cpu")]]
+        with link.EmulatedLink(args.tp, bps, args.link) as net:
+            net.run_ranks(command)  # rank 0 prints the summary and writes the files
+    except (ValueError, link.LinkUnavailable) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except link.RankFailed as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit status 2, before any rank starts
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -244,6 +268,10 @@ def main(argv=None, pool=None):
     p.add_argument("--layers", type=int, default=DEFAULT_CONFIG["num_layers"])
     p.add_argument("--out", default=os.path.join("results", "decode"),
                    help="folder for decode.json and summary.txt")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="run each rank in its own network namespace behind a shaped veth link "
+                        "of RATE (e.g. 1gbit; root; profiling/wires/link.py)")
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # the link's ranks
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batches.split(",")]
@@ -263,21 +291,34 @@ def main(argv=None, pool=None):
         config.check_tp_size(args.tp)
     except ValueError as e:
         p.error(str(e))
-    owned = pool is None
-    pool = pool or WorkerPool(args.tp)
-    try:
-        per_rank = pool.run(_on_rank, fields, batches, args.prompt, args.tokens, args.repeats, 0)
-    finally:
-        if owned:
-            pool.close()
-    first = per_rank[0]
+    job = (fields, batches, args.prompt, args.tokens, args.repeats, 0)
+    described = json.loads(os.environ.get(link.LINK_ENV, "null"))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # one rank of torchrun or the link
+        init_from_env()
+        torch.set_num_threads(args.threads)
+        try:
+            first = _on_rank(*job)
+        finally:
+            shutdown()
+        if os.environ["RANK"] != "0":
+            return 0
+    elif args.link:
+        return _run_on_link(args, sys.argv[1:] if argv is None else argv)
+    else:
+        owned = pool is None
+        pool = pool or WorkerPool(args.tp)
+        try:
+            first = pool.run(_on_rank, *job)[0]
+        finally:
+            if owned:
+                pool.close()
     element = 4  # fp32
     results = {
         "model": f"hidden {config.hidden_size}, {config.num_layers} layers, {config.num_heads} "
                  f"heads ({config.num_kv_heads} k/v), SwiGLU {config.ffn_hidden_size}, vocab "
                  f"{config.vocab_size}, fp32",
         "tp": args.tp, "batches": batches, "prompt": args.prompt, "tokens": args.tokens,
-        "repeats": args.repeats, "threads_per_rank": 1,
+        "repeats": args.repeats, "threads_per_rank": args.threads, "link": described,
         "modes": summarize_rows(first["rows"], args.tokens),
         "gpu_envelope": gpu_envelope(config, args.tp),
         "kv_cache": {str(b): {**first["caches"][b],
