@@ -207,3 +207,45 @@ def test_the_decode_measurements_bad_flags_are_one_line_and_exit_2(flags, words,
         decode.main(flags)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
+
+
+def _on_rank_hf_tp(folder):
+    """transformers' own TP of our baseline's checkpoint (saved by rank 0): its greedy tokens,
+    ours at TP 2, one device's; a training step's loss beside one device's; what it split."""
+    from torch.distributed.tensor import DTensor
+    from tensor_parallel_toy.profiling.run import hf_tp
+
+    _, _, rank = world()
+    one = Transformer(SMALL, seed=3)
+    if rank == 0:
+        hf_tp.save_checkpoint(SMALL, one.state_dict(), folder)
+    dist.barrier()
+    hf = hf_tp.load_tp(folder)
+    ids, _ = _prompts(SMALL.vocab_size)
+    ours = Transformer(SMALL, tp_group=dist.group.WORLD, seed=3)
+    out = {"hf": hf_tp.greedy(hf, ids, 6), "ours": generate(ours, ids, max_new_tokens=6),
+           "one": generate(one, ids, max_new_tokens=6)}
+    hf.train()
+    loss = hf(ids, labels=ids).loss
+    loss.backward()
+    out["loss"], out["one_loss"] = float(loss), float(one(ids[:, :-1], ids[:, 1:]))
+    out["split"] = sorted({name.split(".")[-2] for name, p in hf.named_parameters()
+                           if isinstance(p, DTensor) and "layers.0." in name})
+    out["whole"] = sorted(name for name, p in hf.named_parameters()
+                          if "norm" in name and not isinstance(p, DTensor))
+    out["grads"] = sum(p.grad is not None for p in hf.parameters())
+    return out
+
+
+def test_hugging_faces_own_tp_generates_one_devices_tokens_and_trains_without_sp(pools,
+                                                                                 tmp_path):
+    """What a transformers user would pick instead: from_pretrained(tp_plan="auto") on gloo,
+    TP 2. Its greedy tokens equal one device's and ours; one training step runs, with one
+    device's loss; its plan splits the projections and leaves every norm whole (no SP)."""
+    import_transformers()
+    for got in pools(2).run(_on_rank_hf_tp, str(tmp_path / "hf")):
+        assert torch.equal(got["hf"], got["one"]) and torch.equal(got["ours"], got["one"]), got
+        assert abs(got["loss"] - got["one_loss"]) <= 1e-5 * abs(got["one_loss"]), got
+        assert got["split"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                "up_proj", "v_proj"], got["split"]
+        assert len(got["whole"]) == 2 * SMALL.num_layers + 1 and got["grads"] > 0, got

@@ -16,7 +16,10 @@ Per mode and batch size:
   block the host: that time is the transfer, plus any wait for the slower rank); compute is the
   rest of the token's latency;
 - the KV cache per rank, allocated, against 2 * layers * b * length * (k/v heads here) * head
-  size * bytes.
+  size * bytes;
+- with `--hf`, transformers' own TP of the same weights (`hf_tp.py`), its latency only: some of
+  its collectives do not go through torch.distributed's module attributes, where the transfers
+  are watched, so its transfer counts would be short.
 
 Why the numbers come out as they do: a decode step has one token per sequence, so its GEMMs are
 [b, h] times a weight, few FLOPs per weight byte read, and the two all-reduces of [b, h] per
@@ -27,6 +30,7 @@ costs where the messages' latency dominates (small models, small batches, slow l
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -69,18 +73,23 @@ class _Done:
         pass
 
 
-def _timed_generate(model, ids, n):
-    """(seconds, transfers) of generating n tokens after `ids`."""
+def _timed(run, ids, n):
+    """(seconds, transfers) of `run(ids, n)`: generating n tokens after `ids`."""
     recorder = _Blocked()
     with recording(recorder):
         start = time.perf_counter()
-        generate(model, ids, max_new_tokens=n)
+        run(ids, n)
         seconds = time.perf_counter() - start
     return seconds, recorder
 
 
-def _on_rank(config_fields, batches, prompt, tokens, repeats, seed):
-    """On every rank: the TP model over the pool, and on rank 0 the one-device model, timed."""
+def _ours(model):
+    return lambda ids, n: generate(model, ids, max_new_tokens=n)
+
+
+def _on_rank(config_fields, batches, prompt, tokens, repeats, seed, hf_folder=None):
+    """On every rank: the TP model over the pool, and on rank 0 the one-device model, timed;
+    with `hf_folder`, also transformers' own TP of the same weights (`hf_tp.py`)."""
     from ...model import Transformer
     from ...support.sharding import full_state_dict
 
@@ -93,6 +102,14 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed):
     if rank == 0:
         one = Transformer(config, seed=seed).eval()
         one.load_state_dict(full)
+    runs = {"tp1": _ours(one) if one else None, "tp": _ours(tp)}
+    if hf_folder:
+        from . import hf_tp
+        if rank == 0:
+            hf_tp.save_checkpoint(config, full, hf_folder)
+        barrier(group)
+        hf = hf_tp.load_tp(hf_folder)
+        runs["hf_tp"] = lambda ids, n: hf_tp.greedy(hf, ids, n)
     del full
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -101,14 +118,13 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed):
             ids = torch.randint(0, config.vocab_size, (b, prompt), generator=gen)
             ids = ids.clone()
             dist.broadcast(ids, 0, group=group)  # the same prompts on every rank
-            for mode in ("tp1", "tp"):
+            for mode, run in runs.items():
                 for n in (1, tokens):
                     barrier(group)  # every rank starts together
-                    if mode == "tp":
-                        seconds, seen = _timed_generate(tp, ids, n)
+                    if mode != "tp1":
+                        seconds, seen = _timed(run, ids, n)
                     else:  # one device: rank 0 alone, the others wait at the next barrier
-                        seconds, seen = _timed_generate(one, ids, n) if rank == 0 \
-                            else (0.0, _Blocked())
+                        seconds, seen = _timed(run, ids, n) if rank == 0 else (0.0, _Blocked())
                     if repeat:
                         rows.append(dict(mode=mode, batch=b, new=n, seconds=seconds,
                                          comm_s=seen.seconds, transfers=seen.count,
@@ -119,7 +135,7 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed):
     # The slowest rank's time for the TP rows: the step is done when every rank is.
     slowest = reduce_numbers([r["seconds"] for r in rows], group, dist.ReduceOp.MAX)
     for row, seconds in zip(rows, slowest):
-        if row["mode"] == "tp":
+        if row["mode"] != "tp1":
             row["seconds"] = seconds
     return {"rows": rows, "caches": caches}
 
@@ -163,7 +179,7 @@ def summarize_rows(rows, tokens):
     """Per (mode, batch): the decode latency per token, throughput, prefill, and per token the
     transfers, their bytes and the time blocked in them."""
     out = {}
-    for mode in ("tp1", "tp"):
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         for b in sorted({r["batch"] for r in rows}):
             one = [r for r in rows if (r["mode"], r["batch"], r["new"]) == (mode, b, 1)]
             many = [r for r in rows if (r["mode"], r["batch"], r["new"]) == (mode, b, tokens)]
@@ -224,8 +240,13 @@ def report(results):
                  f"costs {per_transfer:.2f} ms at batch {b0} (latency, not bytes)")
     lines.append(f"  prefill (every prompt token at once): TP {p} takes "
                  f"{min(prefill):.2f}-{max(prefill):.2f} of TP 1's time")
+    if f"hf_tp/b{b0}" in results["modes"]:
+        hf = [results["modes"][f"hf_tp/b{b}"] for b in results["batches"]]
+        lines.append(f"  transformers' own TP {p} (tp_plan=\"auto\", no SP) on the same weights: "
+                     + ", ".join(f"{h['latency_ms']['median']:.2f}" for h in hf)
+                     + f" ms/token at batch {', '.join(map(str, results['batches']))}")
     gpu = results["gpu_envelope"]
-    lines.append(f"  on an H100 (read, not run): a block's bf16 weights take "
+    lines.append("  on an H100 (read, not run): a block's bf16 weights take "
                  + "; ".join(f"{v['read_us']:.1f} us to read for {name}, so TP {p} pays at "
                              f"decode if each of its two all-reduces per block costs under "
                              f"{v['break_even_all_reduce_us']:.1f} us" for name, v in gpu.items()))
@@ -271,6 +292,9 @@ def main(argv=None, pool=None):
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run each rank in its own network namespace behind a shaped veth link "
                         "of RATE (e.g. 1gbit; root; profiling/wires/link.py)")
+    p.add_argument("--hf", action="store_true",
+                   help="also time transformers' own TP of the same weights (tp_plan=\"auto\"; "
+                        "needs transformers and accelerate)")
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # the link's ranks
     args = p.parse_args(argv)
     try:
@@ -291,7 +315,8 @@ def main(argv=None, pool=None):
         config.check_tp_size(args.tp)
     except ValueError as e:
         p.error(str(e))
-    job = (fields, batches, args.prompt, args.tokens, args.repeats, 0)
+    hf_folder = os.path.abspath(os.path.join(args.out, "hf-checkpoint")) if args.hf else None
+    job = (fields, batches, args.prompt, args.tokens, args.repeats, 0, hf_folder)
     described = json.loads(os.environ.get(link.LINK_ENV, "null"))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # one rank of torchrun or the link
         init_from_env()
@@ -329,6 +354,8 @@ def main(argv=None, pool=None):
                                                               element)}
                      for b in batches},
     }
+    if hf_folder:
+        shutil.rmtree(hf_folder, ignore_errors=True)
     text = report(results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode.json"), "w") as f:
