@@ -194,6 +194,12 @@ def summarize_rows(rows, tokens):
                 "comm_ms": summarize(comm)["median"] * 1e3,
                 "transfers_per_token": (many[0]["transfers"] - one[0]["transfers"]) / (tokens - 1),
                 "bytes_per_token": (many[0]["bytes"] - one[0]["bytes"]) / (tokens - 1)}
+    for key, entry in out.items():  # beside TP 1 at the same batch size, for the post
+        if entry["mode"] != "tp1":
+            one = out[f"tp1/b{entry['batch']}"]
+            entry["latency_vs_tp1"] = entry["latency_ms"]["median"] / one["latency_ms"]["median"]
+            entry["prefill_vs_tp1"] = entry["prefill_ms"] / one["prefill_ms"]
+            entry["ms_per_transfer"] = entry["comm_ms"] / max(entry["transfers_per_token"], 1)
     return out
 
 
@@ -345,7 +351,7 @@ def main(argv=None, pool=None):
         "tp": args.tp, "batches": batches, "prompt": args.prompt, "tokens": args.tokens,
         "repeats": args.repeats, "threads_per_rank": args.threads, "link": described,
         "modes": summarize_rows(first["rows"], args.tokens),
-        "gpu_envelope": gpu_envelope(config, args.tp),
+        "gpu_envelope": gpu_envelope(config, args.tp), "hbm_tb_per_s": HBM_BYTES_PER_S / 1e12,
         "kv_cache": {str(b): {**first["caches"][b],
                               "formula_tp": kv_cache_formula(config, b, args.prompt + args.tokens,
                                                              args.tp, element),
