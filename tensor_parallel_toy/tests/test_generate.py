@@ -249,3 +249,21 @@ def test_hugging_faces_own_tp_generates_one_devices_tokens_and_trains_without_sp
         assert got["split"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
                                 "up_proj", "v_proj"], got["split"]
         assert len(got["whole"]) == 2 * SMALL.num_layers + 1 and got["grads"] > 0, got
+
+
+def test_a_sequence_that_produced_the_end_token_continues_with_padding_and_all_stop():
+    model = Transformer(SMALL, seed=4).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    free = generate(model, ids, max_new_tokens=8)  # no end token: 8 new tokens each
+    eos = int(free[0, 7])  # row 0's third new token
+    stopped = generate(model, ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=-1)
+    first = [int((row[5:] == eos).nonzero()[0]) if (row[5:] == eos).any() else None
+             for row in free]
+    for row, end in enumerate(first):
+        if end is None:  # never ended: the same tokens for as long as the other row ran
+            assert torch.equal(stopped[row], free[row, :stopped.shape[1]])
+            continue
+        assert torch.equal(stopped[row, :5 + end + 1], free[row, :5 + end + 1])
+        assert (stopped[row, 5 + end + 1:] == -1).all(), stopped[row].tolist()
+    expected = 5 + (max(first) + 1 if None not in first else 8)
+    assert stopped.shape[1] == expected, (stopped.shape, first)
