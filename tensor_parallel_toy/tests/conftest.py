@@ -1,13 +1,24 @@
-"""pytest fixtures: one pool of worker processes per (backend, world size), reused by every test.
+"""pytest fixtures: one pool of worker processes per (backend, world size), reused by every test,
+and the commands that run in the background from the session's start.
 
 A pool's ranks are forked from a fork server that imported torch once (a fraction of a second
 per pool after the first), and forming their process group still takes a moment, so the suite
 keeps one pool per world size, not one per test. A pool that lost a rank (a worker error kills
 it) is replaced on next use; a pool that could not start is not tried again (`helpers.Pools`).
+
+A test marked `@pytest.mark.background(name, ...)` runs whole commands as a reader would (a
+fresh Python, its own ranks): each command, `BACKGROUND[name](folder)` in the test's module,
+starts with the session, beside the other tests, and the test reads its result from the
+`background` fixture (`helpers.Background`).
 """
 import pytest
 
-from tensor_parallel_toy.tests.helpers import Pools
+from tensor_parallel_toy.tests.helpers import Background, Pools
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "background(*names): the test's commands, BACKGROUND[name] "
+                                       "of its module, start with the session")
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +26,14 @@ def pools():
     live = Pools()
     yield live.get
     live.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, tmp_path_factory):
+    runs = Background(str(tmp_path_factory.mktemp("background")))
+    for item in request.session.items:
+        marker = item.get_closest_marker("background")
+        for name in marker.args if marker is not None else ():
+            runs.start(name, **item.module.BACKGROUND[name](runs.folder))
+    yield runs
+    runs.close()

@@ -16,6 +16,7 @@ A sharding bug gives errors of order 1 in either dtype.
 """
 import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -76,6 +77,48 @@ class Pools:
     def close(self):
         for pool in self.live.values():
             pool.close()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def installed_env():
+    """The environment of a command run from another directory, the package importable as
+    after `pip install -e .`."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+
+
+class Background:
+    """Commands that run the package as a reader runs it (a fresh Python, a torch import, ranks
+    of their own: seconds each, mostly spent waiting), started together when the session starts
+    and run beside the in-process tests; the test that owns one waits for its result. Only the
+    commands of the tests selected in this run start (conftest.py)."""
+
+    def __init__(self, folder):
+        self.folder, self.procs = folder, {}
+
+    def start(self, name, argv, cwd=None, env=None):
+        out, err = (open(os.path.join(self.folder, f"{name}.{kind}"), "w+")
+                    for kind in ("out", "err"))
+        self.procs[name] = (subprocess.Popen(argv, cwd=cwd or self.folder, env=env, stdout=out,
+                                             stderr=err, text=True), out, err)
+
+    def result(self, name, timeout=300):
+        """(exit status, stdout, stderr) of the command started as `name`."""
+        proc, out, err = self.procs[name]
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            proc.kill()
+        out.seek(0), err.seek(0)
+        return proc.returncode, out.read(), err.read()
+
+    def close(self):
+        for proc, out, err in self.procs.values():
+            proc.kill()
+            proc.wait()
+            out.close(), err.close()
 
 
 # Divisible by 1, 2, 3, 4, 6 and 12: one config serves every TP size we test.

@@ -208,15 +208,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(tmp_path):
-    """Three ways a job fails to form, started together (each imports torch: seconds):
-    a multi-host gloo job on a host whose name is loopback; a rank whose MASTER_ADDR has
-    nothing listening (short --timeout); and torchrun's ranks with a GLOO_SOCKET_IFNAME that
-    does not exist (torchrun adds its own report of the failed ranks after their lines)."""
+def _launch_failures(folder):
+    """Three ways a job fails to form, as real commands: {name: (argv, env, words)}."""
     base = {k: v for k, v in os.environ.items() if k not in (
         "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
         "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
-    profile = ["profile", "--out", str(tmp_path / "out"), "--timeout", "3"]
+    profile = ["profile", "--out", os.path.join(folder, "launch-out"), "--timeout", "3"]
     port = str(_free_port())
     runs = {
         "loopback host": ([sys.executable, "-c", _LOOPBACK_HOST, *profile],
@@ -238,28 +235,48 @@ def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(tmp
                                      "Unable to find address for: no-such-if",
                                      "GLOO_SOCKET_IFNAME=no-such-if (interfaces here: lo"]),
     }
-    procs = {name: subprocess.Popen(cmd, env={**base, **env}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, (cmd, env, _) in runs.items()}
-    for name, proc in procs.items():
-        try:
-            _, err = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        words = runs[name][2]
+    return {name: (argv, {**base, **env}, words) for name, (argv, env, words) in runs.items()}
+
+
+# Started with the session (conftest.py); the words each one's line must hold are kept here.
+LAUNCH_FAILURES = {}
+
+
+def _background_launch_failure(name):
+    def start(folder):
+        if not LAUNCH_FAILURES:
+            LAUNCH_FAILURES.update(_launch_failures(folder))
+        argv, env, _ = LAUNCH_FAILURES[name]
+        return dict(argv=argv, env=env)
+    return start
+
+
+BACKGROUND = {name: _background_launch_failure(name)
+              for name in ("loopback host", "nobody listening", "torchrun, bad interface")}
+
+
+@pytest.mark.background(*BACKGROUND)
+def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(background):
+    """Three ways a job fails to form, started together (each imports torch: seconds):
+    a multi-host gloo job on a host whose name is loopback; a rank whose MASTER_ADDR has
+    nothing listening (short --timeout); and torchrun's ranks with a GLOO_SOCKET_IFNAME that
+    does not exist (torchrun adds its own report of the failed ranks after their lines)."""
+    assert sorted(LAUNCH_FAILURES) == sorted(BACKGROUND), LAUNCH_FAILURES
+    for name, (_, _, words) in LAUNCH_FAILURES.items():
+        code, _, err = background.result(name, timeout=120)
         ours = [line for line in err.splitlines() if line.startswith(
             "python -m tensor_parallel_toy profile: error: ")]
         ranks = 2 if "torchrun" in name else 1  # torchrun stops a rank once its peer failed
-        assert 1 <= len(ours) <= ranks, f"{name}: exit {proc.returncode}, stderr:\n{err[-3000:]}"
+        assert 1 <= len(ours) <= ranks, f"{name}: exit {code}, stderr:\n{err[-3000:]}"
         for line in ours:
             assert all(w in line for w in words), f"{name}: {line}"
         # No frame of this package: the traceback torchrun prints is its own launcher's.
         rest = "\n".join(line for line in err.splitlines() if line not in ours)
         assert "tensor_parallel_toy/" not in rest, f"{name}:\n{err[-3000:]}"
         if "torchrun" not in name:
-            assert proc.returncode == 2 and err.strip() == ours[0], f"{name}:\n{err[-3000:]}"
+            assert code == 2 and err.strip() == ours[0], f"{name}:\n{err[-3000:]}"
         else:
-            assert proc.returncode != 0 and "exitcode  : 2" in err, f"{name}:\n{err[-3000:]}"
+            assert code != 0 and "exitcode  : 2" in err, f"{name}:\n{err[-3000:]}"
 
 
 _POOL_THEN_WAIT = ("import os, sys, time\n"

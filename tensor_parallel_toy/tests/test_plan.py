@@ -10,8 +10,6 @@
 - What is refused, in one line on every rank, before any collective.
 """
 import dataclasses
-import os
-import subprocess
 import sys
 
 import pytest
@@ -29,7 +27,8 @@ from tensor_parallel_toy.comm import reduce_from_tensor_parallel_region
 from tensor_parallel_toy.examples import nanogpt_tp as ex
 from tensor_parallel_toy.parallel_linear import shard
 
-from .helpers import FP32_TOL, assert_errors, assert_one_line, max_rel_error, value_error_messages
+from .helpers import (FP32_TOL, assert_errors, assert_one_line, installed_env, max_rel_error,
+                      value_error_messages)
 
 
 class Mix(nn.Module):
@@ -173,14 +172,16 @@ def test_fused_c_attn_split_as_plain_rows_is_reported_naming_c_attn(pools):
         assert "split as plain rows: transformer.h.1.attn.c_attn" in r["text"], r["text"]
 
 
-def test_nanogpt_example_runs_from_another_directory_and_says_it_equals_one_device(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    result = subprocess.run([sys.executable, "-m", "tensor_parallel_toy.examples.nanogpt_tp"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "loss and every gradient equal one device's" in result.stdout, result.stdout
+# Run from another directory (the background's folder), as a reader runs it.
+BACKGROUND = {"nanogpt": lambda folder: dict(
+    argv=[sys.executable, "-m", "tensor_parallel_toy.examples.nanogpt_tp"], env=installed_env())}
+
+
+@pytest.mark.background("nanogpt")
+def test_nanogpt_example_runs_from_another_directory_and_says_it_equals_one_device(background):
+    code, out, err = background.result("nanogpt")
+    assert code == 0, out + err
+    assert "loss and every gradient equal one device's" in out, out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -299,15 +299,19 @@ def test_saved_activation_bytes_skips_parameters_swapped_in_after_it_started():
     assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
 
 
-def test_profile_runs_under_torchrun(tmp_path):
+BACKGROUND = {"torchrun": lambda folder: dict(argv=[
+    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+    "tensor_parallel_toy", "profile", *TINY, "--bench-iters", "0", "--timeline-iters", "0",
+    "--out", os.path.join(folder, "torchrun-profile")])}
+
+
+@pytest.mark.background("torchrun")
+def test_profile_runs_under_torchrun(background):
     """Started the standard way (env:// rendezvous, one process per rank, no WorkerPool)."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tensor_parallel_toy", "profile", *TINY, "--bench-iters", "0",
-           "--timeline-iters", "0", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    saved = json.loads((out / "results.json").read_text())
+    code, out, err = background.result("torchrun", timeout=120)
+    assert code == 0, out[-2000:] + err[-2000:]
+    with open(os.path.join(background.folder, "torchrun-profile", "results.json")) as f:
+        saved = json.load(f)
     assert saved["meta"]["world_size"] == 2 and saved["meta"]["tp"] == 2, saved["meta"]
     assert list(saved["modes"]) == list(MODELS["default"]["modes"]), list(saved["modes"])
     for mode, d in saved["modes"].items():

@@ -11,12 +11,13 @@
 """
 import os
 import re
-import subprocess
 import sys
+
+import pytest
 
 from tensor_parallel_toy.post import render as post
 
-from .helpers import check_excerpts, parse_excerpts
+from .helpers import check_excerpts, installed_env, parse_excerpts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LINES = 200
@@ -70,18 +71,30 @@ def test_pyproject_pins_what_requirements_txt_pins():
     assert pins("pyproject.toml") == pins("requirements.txt")
 
 
-def test_the_readme_training_script_runs_copied_into_another_directory(tmp_path):
+def _training_blocks():
+    return [code for _, path, code in parse_excerpts(_readme())
+            if path.endswith("examples/train_tp.py")]
+
+
+def _copied_training_script(folder):
+    """The README's training block saved alone in an empty directory, run with `python`."""
+    script = os.path.join(folder, "readme_copy", "my_training.py")
+    os.makedirs(os.path.dirname(script))
+    with open(script, "w", encoding="utf-8") as f:
+        f.write("".join(_training_blocks()[:1]) + "\n")
+    return dict(argv=[sys.executable, script], cwd=os.path.dirname(script), env=installed_env())
+
+
+BACKGROUND = {"readme_script": _copied_training_script}
+
+
+@pytest.mark.background("readme_script")
+def test_the_readme_training_script_runs_copied_into_another_directory(background):
     """The README's training block, as a reader copies it: saved alone in an empty directory
     and run with `python`, the package importable as after `pip install -e .`."""
-    blocks = [code for _, path, code in parse_excerpts(_readme())
-              if path.endswith("examples/train_tp.py")]
+    blocks = _training_blocks()
     assert len(blocks) == 1, f"README.md shows {len(blocks)} copies of train_tp.py, expected 1"
-    script = tmp_path / "my_training.py"
-    script.write_text(blocks[0] + "\n", encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=ROOT)  # what pip install -e . gives an interpreter
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
-    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) >= 2 and "TP losses equal one device's" in result.stdout, out
+    code, out, err = background.result("readme_script")
+    assert code == 0, out + err
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) >= 2 and "TP losses equal one device's" in out, out + err
