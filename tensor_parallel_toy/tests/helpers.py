@@ -98,11 +98,13 @@ class Background:
     def __init__(self, folder):
         self.folder, self.procs = folder, {}
 
-    def start(self, name, argv, cwd=None, env=None):
+    def start(self, name, argv, cwd=ROOT, env=None):
+        """Start `argv` in `cwd` (default: the repository's root, where `python -m
+        tensor_parallel_toy` finds the package without an install)."""
         out, err = (open(os.path.join(self.folder, f"{name}.{kind}"), "w+")
                     for kind in ("out", "err"))
-        self.procs[name] = (subprocess.Popen(argv, cwd=cwd or self.folder, env=env, stdout=out,
-                                             stderr=err, text=True), out, err)
+        self.procs[name] = (subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err,
+                                             text=True), out, err)
 
     def result(self, name, timeout=300):
         """(exit status, stdout, stderr) of the command started as `name`."""

@@ -174,7 +174,8 @@ def test_fused_c_attn_split_as_plain_rows_is_reported_naming_c_attn(pools):
 
 # Run from another directory (the background's folder), as a reader runs it.
 BACKGROUND = {"nanogpt": lambda folder: dict(
-    argv=[sys.executable, "-m", "tensor_parallel_toy.examples.nanogpt_tp"], env=installed_env())}
+    argv=[sys.executable, "-m", "tensor_parallel_toy.examples.nanogpt_tp"], cwd=folder,
+    env=installed_env())}
 
 
 @pytest.mark.background("nanogpt")
