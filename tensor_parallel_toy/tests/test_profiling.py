@@ -6,7 +6,6 @@ written; it checks wiring and agreement between modes, not speed.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -222,21 +221,25 @@ REAL_BAD_FLAGS = [
      if not torch.cuda.is_available() else [])
 
 
-def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(tmp_path):
+def _bad_flags_command(i):
+    def start(folder):
+        flags = REAL_BAD_FLAGS[i][0]
+        out = ["--out", os.path.join(folder, f"bad-flags-{i}")] if "--out" not in flags else []
+        return dict(argv=[sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out])
+    return start
+
+
+# Started with the session (conftest.py), as is the torchrun run below.
+BACKGROUND = {f"bad flags {i}": _bad_flags_command(i) for i in range(len(REAL_BAD_FLAGS))}
+
+
+@pytest.mark.background(*(f"bad flags {i}" for i in range(len(REAL_BAD_FLAGS))))
+def test_bad_flags_exit_2_with_one_line_before_any_rank_starts(background):
     """As a real command: exit status 2, one line on stderr, no traceback, nothing spawned."""
-    procs = []
-    for i, (flags, _) in enumerate(REAL_BAD_FLAGS):
-        out = ["--out", str(tmp_path / f"out{i}")] if "--out" not in flags else []
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tensor_parallel_toy", "profile", *flags, *out],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for proc, (flags, words) in zip(procs, REAL_BAD_FLAGS):
-        try:
-            printed, err = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
+    for i, (flags, words) in enumerate(REAL_BAD_FLAGS):
+        code, printed, err = background.result(f"bad flags {i}", timeout=60)
         err = err.strip()
-        assert proc.returncode == 2, (flags, proc.returncode, err)
+        assert code == 2, (flags, code, err)
         assert "\n" not in err and "Traceback" not in err and "spawning" not in printed, err
         assert all(w in err for w in words), (flags, err)
 
@@ -299,10 +302,10 @@ def test_saved_activation_bytes_skips_parameters_swapped_in_after_it_started():
     assert meter.bytes == 5 * 8 * 4 + 5 * 4 * 4, (meter.bytes, meter.count)
 
 
-BACKGROUND = {"torchrun": lambda folder: dict(argv=[
+BACKGROUND["torchrun"] = lambda folder: dict(argv=[
     sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
     "tensor_parallel_toy", "profile", *TINY, "--bench-iters", "0", "--timeline-iters", "0",
-    "--out", os.path.join(folder, "torchrun-profile")])}
+    "--out", os.path.join(folder, "torchrun-profile")])
 
 
 @pytest.mark.background("torchrun")
