@@ -89,6 +89,15 @@ def installed_env():
         [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
+def process_gone(pid):
+    """Whether process `pid` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 class Background:
     """Commands that run the package as a reader runs it (a fresh Python, a torch import, ranks
     of their own: seconds each, mostly spent waiting), started together when the session starts

@@ -18,7 +18,7 @@ import pytest
 from tensor_parallel_toy.launcher import gpu_check, initialize, machine, smoke
 from tensor_parallel_toy.launcher.gpu_check import Step, run_step, summary
 from tensor_parallel_toy.launcher.initialize import INJECT_ENV, SHARE_GPU_ENV, WorkerError
-from tensor_parallel_toy.tests.helpers import Pools
+from tensor_parallel_toy.tests.helpers import Pools, process_gone
 
 REHEARSED = ["nccl-smoke"]  # the test steps run in the failure rehearsal below (one of them
 # passing), the profile step's command in test_profiling
@@ -194,13 +194,6 @@ def _sleeper(tmp_path):
     return Step("sleeper", [sys.executable, "-c", code], {}, "sleeps", timeout_s=600), pid_file
 
 
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] in ("Z", "X")  # dead, not yet reaped
-    except FileNotFoundError:
-        return True
-
 
 def test_a_step_past_its_time_limit_is_stopped_with_its_children_and_reported(tmp_path, capsys):
     step, pid_file = _sleeper(tmp_path)
@@ -210,9 +203,9 @@ def test_a_step_past_its_time_limit_is_stopped_with_its_children_and_reported(tm
     assert outcome.status == "TIMED OUT" and "stopped after 1 s" in outcome.detail, outcome
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while not _gone(child) and time.monotonic() < deadline:
+    while not process_gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gone(child), f"the step's child {child} outlived it"
+    assert process_gone(child), f"the step's child {child} outlived it"
     assert "started" in (tmp_path / "sleeper.log").read_text()
     assert "started" in capsys.readouterr().out  # on the screen too, as it came
     first = summary([outcome], str(tmp_path)).splitlines()[0]

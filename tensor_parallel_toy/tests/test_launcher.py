@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.launcher import initialize
 from tensor_parallel_toy.launcher.initialize import WorkerError, WorkerPool, choose_backend
+from tensor_parallel_toy.tests.helpers import process_gone
 
 STOP_WITHIN_S = 30
 
@@ -304,15 +305,8 @@ def test_a_killed_launchers_workers_exit_within_seconds(tmp_path):
         proc.wait()
     assert len(workers) == 2, workers
     deadline = time.monotonic() + STOP_WITHIN_S
-    while time.monotonic() < deadline and not all(_exited(p) for p in workers):
+    while time.monotonic() < deadline and not all(process_gone(p) for p in workers):
         time.sleep(0.2)
-    alive = [p for p in workers if not _exited(p)]
+    alive = [p for p in workers if not process_gone(p)]
     assert not alive, f"workers {alive} outlived their killed launcher"
 
-
-def _exited(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] in ("Z", "X")  # dead, not yet reaped
-    except FileNotFoundError:
-        return True
