@@ -151,11 +151,28 @@ def test_bad_requests_are_one_line_on_every_rank(pools):
                 rank, message)
 
 
-def test_the_tokens_one_device_generates_are_its_full_forwards_argmax_at_every_step():
+def _draw_biases_(model):
+    """Large q/k/v biases, so that a bias applied wrongly shows in the tokens."""
+    with torch.no_grad():
+        for block in model.layers:
+            if block.attn.qkv.bias is not None:
+                block.attn.qkv.bias.copy_(torch.linspace(-1, 1, block.attn.qkv.bias.numel()))
+
+
+# The other paths through a block: GELU MLP with biases on q/k/v, q/k norms, a window shorter
+# than the sequence, tied embeddings.
+OTHER = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64,
+                    max_seq_len=24, qkv_bias=True, qk_norm=True, sliding_window=4,
+                    tie_embeddings=True)
+
+
+@pytest.mark.parametrize("config", [SMALL, OTHER], ids=["swiglu-gqa", "gelu-bias-qknorm-window"])
+def test_the_tokens_one_device_generates_are_its_full_forwards_argmax_at_every_step(config):
     """The KV cache path against the model itself: feed the whole generated sequence through
     `model(ids)` and take the argmax at each position that produced a token."""
-    model = Transformer(SMALL, seed=4).eval()
-    ids = torch.randint(0, SMALL.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    model = Transformer(config, seed=4).eval()
+    _draw_biases_(model)
+    ids = torch.randint(0, config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
     out = generate(model, ids, max_new_tokens=10)
     with torch.no_grad():
         full = model(out).argmax(-1)  # [b, s + n]: the next token after each position
@@ -267,3 +284,18 @@ def test_a_sequence_that_produced_the_end_token_continues_with_padding_and_all_s
         assert (stopped[row, 5 + end + 1:] == -1).all(), stopped[row].tolist()
     expected = 5 + (max(first) + 1 if None not in first else 8)
     assert stopped.shape[1] == expected, (stopped.shape, first)
+
+
+def _on_rank_other_paths():
+    """Greedy tokens of OTHER at TP 2 and on one device, the same weights, a left-padded batch."""
+    one = Transformer(OTHER, seed=4).eval()
+    _draw_biases_(one)
+    tp = Transformer(OTHER, tp_group=dist.group.WORLD, seed=4).eval()
+    load_full_state_dict(tp, one.state_dict())
+    ids, mask = _prompts(OTHER.vocab_size)
+    return generate(tp, ids, mask, max_new_tokens=8), generate(one, ids, mask, max_new_tokens=8)
+
+
+def test_gelu_biases_qk_norms_and_a_window_generate_one_devices_tokens_at_tp_2(pools):
+    for tp_tokens, one_tokens in pools(2).run(_on_rank_other_paths):
+        assert torch.equal(tp_tokens, one_tokens), (tp_tokens.tolist(), one_tokens.tolist())
