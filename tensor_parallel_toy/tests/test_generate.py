@@ -19,8 +19,9 @@ import torch.distributed as dist
 from tensor_parallel_toy import ModelConfig, Transformer, from_hf, load_full_state_dict
 from tensor_parallel_toy.guards import RanksDisagreeError
 from tensor_parallel_toy.inference.generate import KVCache, generate
+from tensor_parallel_toy.launcher.initialize import current_device
 
-from .helpers import draw_norms_and_biases_, import_transformers, world
+from .helpers import BACKENDS, draw_norms_and_biases_, import_transformers, world
 
 NEW = 6  # tokens generated per prompt
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -287,15 +288,24 @@ def test_a_sequence_that_produced_the_end_token_continues_with_padding_and_all_s
 
 
 def _on_rank_other_paths():
-    """Greedy tokens of OTHER at TP 2 and on one device, the same weights, a left-padded batch."""
+    """Greedy and sampled tokens of OTHER at TP 2 and on one device, the same weights, a
+    left-padded batch, on this rank's device (a GPU under NCCL)."""
+    device = current_device()
     one = Transformer(OTHER, seed=4).eval()
     _draw_biases_(one)
     tp = Transformer(OTHER, tp_group=dist.group.WORLD, seed=4).eval()
     load_full_state_dict(tp, one.state_dict())
-    ids, mask = _prompts(OTHER.vocab_size)
-    return generate(tp, ids, mask, max_new_tokens=8), generate(one, ids, mask, max_new_tokens=8)
+    tp.to(device), one.to(device)
+    ids, mask = (t.to(device) for t in _prompts(OTHER.vocab_size))
+    out = []
+    for kwargs in (dict(), dict(do_sample=True, top_k=8, seed=1)):
+        out.append((generate(tp, ids, mask, max_new_tokens=8, **kwargs).cpu(),
+                    generate(one, ids, mask, max_new_tokens=8, **kwargs).cpu()))
+    return out
 
 
-def test_gelu_biases_qk_norms_and_a_window_generate_one_devices_tokens_at_tp_2(pools):
-    for tp_tokens, one_tokens in pools(2).run(_on_rank_other_paths):
-        assert torch.equal(tp_tokens, one_tokens), (tp_tokens.tolist(), one_tokens.tolist())
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gelu_biases_qk_norms_and_a_window_generate_one_devices_tokens_at_tp_2(pools, backend):
+    for per_rank in pools(2, backend).run(_on_rank_other_paths):
+        for tp_tokens, one_tokens in per_rank:  # greedy, then sampled
+            assert torch.equal(tp_tokens, one_tokens), (tp_tokens.tolist(), one_tokens.tolist())
