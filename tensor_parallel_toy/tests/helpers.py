@@ -17,6 +17,7 @@ A sharding bug gives errors of order 1 in either dtype.
 import os
 import re
 import subprocess
+import time
 
 import pytest
 import torch
@@ -114,6 +115,22 @@ class Background:
                     for kind in ("out", "err"))
         self.procs[name] = (subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err,
                                              text=True), out, err)
+
+    def first_line(self, name, timeout=120):
+        """The first line the command `name` printed, once it has (the command still runs)."""
+        proc, out, _ = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(out.name) as f:
+                line = f.readline()
+            if line.endswith("\n") or proc.poll() is not None or time.monotonic() > deadline:
+                return line
+            time.sleep(0.1)
+
+    def kill(self, name):
+        proc = self.procs[name][0]
+        proc.kill()
+        proc.wait()
 
     def result(self, name, timeout=300):
         """(exit status, stdout, stderr) of the command started as `name`."""

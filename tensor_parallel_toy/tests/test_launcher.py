@@ -5,7 +5,6 @@ These tests kill or break their own pools, so they do not use the shared `pools`
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.launcher import initialize
 from tensor_parallel_toy.launcher.initialize import WorkerError, WorkerPool, choose_backend
-from tensor_parallel_toy.tests.helpers import process_gone
+from tensor_parallel_toy.tests.helpers import installed_env, process_gone
 
 STOP_WITHIN_S = 30
 
@@ -252,17 +251,17 @@ def _background_launch_failure(name):
     return start
 
 
-BACKGROUND = {name: _background_launch_failure(name)
-              for name in ("loopback host", "nobody listening", "torchrun, bad interface")}
+LAUNCH_NAMES = ("loopback host", "nobody listening", "torchrun, bad interface")
+BACKGROUND = {name: _background_launch_failure(name) for name in LAUNCH_NAMES}
 
 
-@pytest.mark.background(*BACKGROUND)
+@pytest.mark.background(*LAUNCH_NAMES)
 def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(background):
     """Three ways a job fails to form, started together (each imports torch: seconds):
     a multi-host gloo job on a host whose name is loopback; a rank whose MASTER_ADDR has
     nothing listening (short --timeout); and torchrun's ranks with a GLOO_SOCKET_IFNAME that
     does not exist (torchrun adds its own report of the failed ranks after their lines)."""
-    assert sorted(LAUNCH_FAILURES) == sorted(BACKGROUND), LAUNCH_FAILURES
+    assert sorted(LAUNCH_FAILURES) == sorted(LAUNCH_NAMES), LAUNCH_FAILURES
     for name, (_, _, words) in LAUNCH_FAILURES.items():
         code, _, err = background.result(name, timeout=120)
         ours = [line for line in err.splitlines() if line.startswith(
@@ -288,21 +287,25 @@ _POOL_THEN_WAIT = ("import os, sys, time\n"
                    "    time.sleep(600)\n")
 
 
-def test_a_killed_launchers_workers_exit_within_seconds(tmp_path):
+def _launcher_script(folder):
+    script = os.path.join(folder, "launcher.py")
+    with open(script, "w") as f:
+        f.write(_POOL_THEN_WAIT)
+    return dict(argv=[sys.executable, script], env=installed_env())
+
+
+BACKGROUND["killed launcher"] = _launcher_script
+
+
+@pytest.mark.background("killed launcher")
+def test_a_killed_launchers_workers_exit_within_seconds(background):
     """SIGKILL gives the launcher no chance to stop its workers: they notice by themselves (their
-    parent, the launcher or the fork server that ends with it, is gone)."""
-    script = tmp_path / "launcher.py"
-    script.write_text(_POOL_THEN_WAIT)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(  # what pip install -e . gives
-        [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    parent, the launcher or the fork server that ends with it, is gone). The launcher started
+    with the session and has waited since."""
     try:
-        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        workers = [int(pid) for pid in background.first_line("killed launcher").split()]
     finally:
-        proc.kill()
-        proc.wait()
+        background.kill("killed launcher")
     assert len(workers) == 2, workers
     deadline = time.monotonic() + STOP_WITHIN_S
     while time.monotonic() < deadline and not all(process_gone(p) for p in workers):
