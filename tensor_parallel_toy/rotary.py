@@ -46,9 +46,14 @@ def rotary_tables(seq_len, head_dim, base, scaling=None):
 
 def apply_rotary(x, cos, sin):
     """x [s, b, heads, hd]; rotate each (first half, second half) pair by its position's angle."""
+    return rotate(x, cos[:, None, None, :], sin[:, None, None, :])  # [s, 1, 1, hd/2]
+
+
+def rotate(x, cos, sin):
+    """The rotation itself: cos and sin `[..., hd/2]` broadcast against x `[..., hd]` (a token
+    at its own position, whatever the layout)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, None, :], sin[:, None, None, :]  # [s, 1, 1, hd/2]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
-__all__ = ["apply_rotary", "rotary_frequencies", "rotary_tables"]
+__all__ = ["apply_rotary", "rotary_frequencies", "rotary_tables", "rotate"]

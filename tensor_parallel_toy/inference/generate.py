@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..comm import all_gather_dim, all_reduce_, group_size
 from ..guards.agreement import RanksDisagreeError, agree_on_batch, by_value, check_ranks_agree
 from ..guards.batch import check_token_ids
+from ..rotary import rotate
 
 
 class KVCache:
@@ -48,13 +49,6 @@ class KVCache:
 
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
-def _rotate(x, cos, sin):
-    """x `[b, t, heads, hd]`; cos, sin `[b, t, hd/2]`: each token at its own position."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 def _embed(embed, ids, group):
@@ -79,7 +73,8 @@ def _attention(attn, x, layer, cache, visible, cos, sin, group):
     k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [b, t, kv heads here, hd]
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [b, t, 1, hd/2]: each token its own
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     start, end = cache.length, cache.length + t
     cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
     cache.values[layer][:, :, start:end] = v.transpose(1, 2)

@@ -19,7 +19,6 @@ import difflib
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 import time
 import types
@@ -416,7 +415,8 @@ def _run_on_link(args, argv):
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     command = [sys.executable, "-m", "tensor_parallel_toy", "profile",
                *link.argv_for_ranks(argv, threads)]
-    try:
+
+    def run():
         link.check_host()
         if len(args.link_rates) > 1:
             return link_sweep.run(argv, args, threads)
@@ -424,13 +424,4 @@ def _run_on_link(args, argv):
         with link.EmulatedLink(args.tp, bps, rate) as net:
             print(report.link_text(net.describe()), flush=True)
             net.run_ranks(command)
-    except link.LinkUnavailable as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except (link.RankFailed, subprocess.CalledProcessError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted: stopped the ranks and removed the link", file=sys.stderr)
-        return 130
-    return 0
+    return link.exit_status(PROG, run)

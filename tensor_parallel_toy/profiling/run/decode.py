@@ -116,7 +116,6 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed, hf_folder=No
     for repeat in range(repeats + 1):  # the first round warms up and is dropped
         for b in batches:
             ids = torch.randint(0, config.vocab_size, (b, prompt), generator=gen)
-            ids = ids.clone()
             dist.broadcast(ids, 0, group=group)  # the same prompts on every rank
             for mode, run in runs.items():
                 for n in (1, tokens):
@@ -216,38 +215,35 @@ def report(results):
              f"  {'batch':>5}  {'ms/token TP1':>12}  {f'TP{p}':>6}  {'ratio':>5}  "
              f"{f'TP{p} comm':>10}  {'tokens/s TP1':>12}  {f'TP{p}':>6}  "
              f"{'prefill ms TP1':>14}  {f'TP{p}':>6}"]
-    ratios = {}
-    for b in results["batches"]:
-        one, tp = results["modes"][f"tp1/b{b}"], results["modes"][f"tp/b{b}"]
-        ratios[b] = tp["latency_ms"]["median"] / one["latency_ms"]["median"]
+    modes = results["modes"]
+    tps = {b: modes[f"tp/b{b}"] for b in results["batches"]}
+    for b, tp in tps.items():
+        one = modes[f"tp1/b{b}"]
         lines.append(
             f"  {b:>5}  {one['latency_ms']['median']:>12.2f}  {tp['latency_ms']['median']:>6.2f}"
-            f"  {ratios[b]:>5.2f}  {tp['comm_ms']:>7.2f} ms  {one['tokens_per_s']:>12.0f}  "
-            f"{tp['tokens_per_s']:>6.0f}  {one['prefill_ms']:>14.1f}  {tp['prefill_ms']:>6.1f}")
+            f"  {tp['latency_vs_tp1']:>5.2f}  {tp['comm_ms']:>7.2f} ms  "
+            f"{one['tokens_per_s']:>12.0f}  {tp['tokens_per_s']:>6.0f}  "
+            f"{one['prefill_ms']:>14.1f}  {tp['prefill_ms']:>6.1f}")
     b0 = results["batches"][0]
     cache, tp0 = results["kv_cache"][str(b0)], results["modes"][f"tp/b{b0}"]
     lines.append(f"  per token, TP {p} makes {tp0['transfers_per_token']:.0f} transfers "
                  f"({tp0['bytes_per_token'] / 1024:.1f} KiB from each rank at batch {b0}); KV "
                  f"cache per rank at batch {b0}: TP 1 {cache['tp1']} B, TP {p} {cache['tp']} B "
                  f"(the formula: {cache['formula_tp']} B)")
-    pays = [str(b) for b, r in ratios.items() if r < 1]
-    costs = [str(b) for b, r in ratios.items() if r >= 1]
-    per_transfer = tp0["comm_ms"] / tp0["transfers_per_token"]
-    compute = [(results["modes"][f"tp/b{b}"]["latency_ms"]["median"]
-                - results["modes"][f"tp/b{b}"]["comm_ms"])
-               / results["modes"][f"tp1/b{b}"]["latency_ms"]["median"]
-               for b in results["batches"]]
-    prefill = [results["modes"][f"tp/b{b}"]["prefill_ms"]
-               / results["modes"][f"tp1/b{b}"]["prefill_ms"] for b in results["batches"]]
+    pays = [str(b) for b, tp in tps.items() if tp["latency_vs_tp1"] < 1]
+    costs = [str(b) for b, tp in tps.items() if tp["latency_vs_tp1"] >= 1]
+    compute = [(tp["latency_ms"]["median"] - tp["comm_ms"])
+               / modes[f"tp1/b{b}"]["latency_ms"]["median"] for b, tp in tps.items()]
+    prefill = [tp["prefill_vs_tp1"] for tp in tps.values()]
     lines.append(f"  decode: TP {p} lowers the latency per token at batch "
                  f"{', '.join(pays) or 'none measured'}, only costs at batch "
                  f"{', '.join(costs) or 'none measured'}. Its compute is "
                  f"{min(compute):.2f}-{max(compute):.2f} of TP 1's latency; each transfer "
-                 f"costs {per_transfer:.2f} ms at batch {b0} (latency, not bytes)")
+                 f"costs {tp0['ms_per_transfer']:.2f} ms at batch {b0} (latency, not bytes)")
     lines.append(f"  prefill (every prompt token at once): TP {p} takes "
                  f"{min(prefill):.2f}-{max(prefill):.2f} of TP 1's time")
-    if f"hf_tp/b{b0}" in results["modes"]:
-        hf = [results["modes"][f"hf_tp/b{b}"] for b in results["batches"]]
+    if f"hf_tp/b{b0}" in modes:
+        hf = [modes[f"hf_tp/b{b}"] for b in results["batches"]]
         lines.append(f"  transformers' own TP {p} (tp_plan=\"auto\", no SP) on the same weights: "
                      + ", ".join(f"{h['latency_ms']['median']:.2f}" for h in hf)
                      + f" ms/token at batch {', '.join(map(str, results['batches']))}")
@@ -260,22 +256,22 @@ def report(results):
 
 
 def _run_on_link(args, argv):
-    """One rank per network namespace, each the torchrun path of this same command."""
+    """One rank per network namespace, each the torchrun path of this same command; rank 0
+    prints the summary and writes the files."""
     try:
         bps = link.parse_rate(args.link)
-        link.check_host()
-        command = [sys.executable, "-m", "tensor_parallel_toy.profiling.run.decode",
-                   *[a for a in link.argv_for_ranks(argv, args.threads) if a not in (
-                       "--device", "cpu")]]
-        with link.EmulatedLink(args.tp, bps, args.link) as net:
-            net.run_ranks(command)  # rank 0 prints the summary and writes the files
-    except (ValueError, link.LinkUnavailable) as e:
+    except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except link.RankFailed as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    command = [sys.executable, "-m", "tensor_parallel_toy.profiling.run.decode",
+               *[a for a in link.argv_for_ranks(argv, args.threads) if a not in ("--device",
+                                                                                 "cpu")]]
+
+    def run():
+        link.check_host()
+        with link.EmulatedLink(args.tp, bps, args.link) as net:
+            net.run_ranks(command)
+    return link.exit_status(PROG, run)
 
 
 class _Parser(argparse.ArgumentParser):

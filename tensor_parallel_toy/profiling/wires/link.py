@@ -171,6 +171,23 @@ def remove_leftovers():
     return dead
 
 
+def exit_status(prog, run):
+    """`run()` (it builds links and runs ranks on them) as a command line ends it: its return
+    value (None: 0), or one line on stderr and 2 when this host cannot build a link, 1 when a
+    rank failed, 130 on Ctrl-C (the ranks stopped and the link removed by then)."""
+    try:
+        return run() or 0
+    except LinkUnavailable as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (RankFailed, subprocess.CalledProcessError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted: stopped the ranks and removed the link", file=sys.stderr)
+        return 130
+
+
 def argv_for_ranks(argv, threads):
     """The launcher's profile flags minus --link (in every form argparse accepts: --link X,
     --link=X, an unambiguous prefix such as --lin X), on CPU, with `threads` torch threads."""
