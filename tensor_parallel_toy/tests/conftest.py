@@ -4,16 +4,16 @@ and the commands that run in the background from the session's start.
 A pool's ranks are forked from a fork server that imported torch once (a fraction of a second
 per pool after the first), and forming their process group still takes a moment, so the suite
 keeps one pool per world size, not one per test. A pool that lost a rank (a worker error kills
-it) is replaced on next use; a pool that could not start is not tried again (`helpers.Pools`).
+it) is replaced on next use; a pool that could not start is not tried again (`processes.Pools`).
 
 A test marked `@pytest.mark.background(name, ...)` runs whole commands as a reader would (a
 fresh Python, its own ranks): each command, `BACKGROUND[name](folder)` in the test's module,
 starts with the session, beside the other tests, and the test reads its result from the
-`background` fixture (`helpers.Background`).
+`background` fixture (`processes.Background`).
 """
 import pytest
 
-from tensor_parallel_toy.tests.helpers import Background, Pools
+from tensor_parallel_toy.tests.processes import Background, Pools
 
 
 def pytest_configure(config):

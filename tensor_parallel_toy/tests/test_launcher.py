@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.launcher import initialize
 from tensor_parallel_toy.launcher.initialize import WorkerError, WorkerPool, choose_backend
-from tensor_parallel_toy.tests.helpers import installed_env, process_gone
+from tensor_parallel_toy.tests.processes import installed_env, process_gone
 
 STOP_WITHIN_S = 30
 

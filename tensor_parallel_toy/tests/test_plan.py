@@ -27,8 +27,9 @@ from tensor_parallel_toy.comm import reduce_from_tensor_parallel_region
 from tensor_parallel_toy.examples import nanogpt_tp as ex
 from tensor_parallel_toy.parallel_linear import shard
 
-from .helpers import (FP32_TOL, assert_errors, assert_one_line, installed_env, max_rel_error,
+from .helpers import (FP32_TOL, assert_errors, assert_one_line, max_rel_error,
                       value_error_messages)
+from .processes import installed_env
 
 
 class Mix(nn.Module):

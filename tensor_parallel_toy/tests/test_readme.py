@@ -17,7 +17,8 @@ import pytest
 
 from tensor_parallel_toy.post import render as post
 
-from .helpers import check_excerpts, installed_env, parse_excerpts
+from .helpers import check_excerpts, parse_excerpts
+from .processes import installed_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_LINES = 200
