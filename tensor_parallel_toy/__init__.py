@@ -24,7 +24,8 @@ from .config import ModelConfig, RopeScaling
 from .guards import RanksDisagreeError, guard
 from .interop.dtensor_tp import parallelize_hf_model
 from .interop.hf_checkpoint import from_hf, to_hf
-from .launcher.initialize import WorkerPool, init_from_env, launch, shutdown
+from .launcher.initialize import init_from_env, shutdown
+from .launcher.pool import WorkerPool, launch
 from .model import Transformer
 from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                               row_parallel_linear)

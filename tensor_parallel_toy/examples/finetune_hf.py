@@ -134,7 +134,8 @@ def report(result):
 def main(argv=None, pool=None):
     """Run on `pool` (a `WorkerPool`), else under torchrun when its variables are set, else on
     a new pool of --ranks local processes."""
-    from tensor_parallel_toy.launcher.initialize import WorkerPool, init_from_env, shutdown
+    from tensor_parallel_toy.launcher.initialize import init_from_env, shutdown
+    from tensor_parallel_toy.launcher.pool import WorkerPool
 
     options = parse(argv)
     if pool is not None:

@@ -49,7 +49,7 @@ def _on_rank():
 
 def run(device, timeout_s=DEFAULT_TIMEOUT_S):
     """(passed, one line): the smoke test on two ranks of `device` ("cuda": NCCL, "cpu": gloo)."""
-    from .initialize import WorkerError, WorkerPool
+    from .pool import WorkerError, WorkerPool
 
     backend = "nccl" if device == "cuda" else "gloo"
     start = time.perf_counter()

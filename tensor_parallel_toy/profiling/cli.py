@@ -27,7 +27,8 @@ import torch
 
 from ..interop import dtensor_tp
 from ..config import ModelConfig
-from ..launcher.initialize import LaunchError, WorkerPool, choose_backend, init_from_env, shutdown
+from ..launcher.initialize import LaunchError, choose_backend, init_from_env, shutdown
+from ..launcher.pool import WorkerPool
 from .report import report
 from .run.data import CORPUS_VOCAB
 from .run.phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases,

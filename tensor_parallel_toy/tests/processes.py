@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tensor_parallel_toy.launcher.initialize import (SHARE_GPU_ENV, WorkerError, WorkerPool,
-                                                     gpu_count, nccl_rank_capacity)
+from tensor_parallel_toy.launcher.initialize import SHARE_GPU_ENV, gpu_count, nccl_rank_capacity
+from tensor_parallel_toy.launcher.pool import WorkerError, WorkerPool
 
 
 class Pools:

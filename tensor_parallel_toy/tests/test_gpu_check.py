@@ -17,7 +17,8 @@ import pytest
 
 from tensor_parallel_toy.launcher import gpu_check, initialize, machine, smoke
 from tensor_parallel_toy.launcher.gpu_check import Step, run_step, summary
-from tensor_parallel_toy.launcher.initialize import INJECT_ENV, SHARE_GPU_ENV, WorkerError
+from tensor_parallel_toy.launcher.initialize import SHARE_GPU_ENV
+from tensor_parallel_toy.launcher.pool import INJECT_ENV, WorkerError
 from tensor_parallel_toy.tests.processes import Pools, process_gone
 
 REHEARSED = ["nccl-smoke"]  # the test steps run in the failure rehearsal below (one of them

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tensor_parallel_toy.launcher import initialize
-from tensor_parallel_toy.launcher.initialize import WorkerError, WorkerPool, choose_backend
+from tensor_parallel_toy.launcher.initialize import choose_backend
+from tensor_parallel_toy.launcher.pool import WorkerError, WorkerPool
 from tensor_parallel_toy.tests.processes import installed_env, process_gone
 
 STOP_WITHIN_S = 30
@@ -280,7 +281,7 @@ def test_launch_failures_are_one_line_exit_2_no_traceback_under_torchrun_too(bac
 
 
 _POOL_THEN_WAIT = ("import os, sys, time\n"
-                   "from tensor_parallel_toy.launcher.initialize import WorkerPool\n"
+                   "from tensor_parallel_toy.launcher.pool import WorkerPool\n"
                    "if __name__ == '__main__':\n"
                    "    pool = WorkerPool(2)\n"
                    "    print(' '.join(str(p.pid) for p in pool._procs), flush=True)\n"

@@ -18,7 +18,7 @@ from ...guards import guard
 from ...guards.batch import check_batch
 from ...guards.collectives import barrier, reduce_numbers
 from ...guards.replicated_grads import check_replicated_gradients
-from ...launcher.initialize import launch
+from ...launcher.pool import launch
 from ...model import Transformer
 from ..spec import ProfileSpec
 

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ...config import ModelConfig
 from ...guards.collectives import barrier, reduce_numbers
 from ...inference.generate import KVCache, generate
-from ...launcher.initialize import WorkerPool, init_from_env, shutdown
+from ...launcher.initialize import init_from_env, shutdown
+from ...launcher.pool import WorkerPool
 from ..measure.metrics import summarize
 from ..measure.transfers import recording
 from ..wires import link

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ...guards.collectives import reduce_numbers
-from ...launcher.initialize import WorkerPool, current_device
+from ...launcher.initialize import current_device
+from ...launcher.pool import WorkerPool
 from ..measure.bench_overlap import Op, median, schedule_time, timed
 from ..measure.metrics import keep_freed_memory
 from ..report import plots

@@ -1,0 +1,292 @@
+"""A local launcher that never leaves a rank hanging: `WorkerPool(n)` starts n local worker
+processes, forms their process group once, and runs any picklable function on all of them, as
+often as asked (the tests reuse one pool per world size). It watches its workers: if one raises
+or dies, it stops the others and raises `WorkerError`, whose first line names the rank and the
+cause, instead of waiting forever in a collective. `launch` runs a function either on such a
+pool or, under torchrun, on this rank.
+"""
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .initialize import (DEFAULT_TIMEOUT_S, bind_gpu, choose_backend, gpu_count, init_from_env,
+                         nccl_options, set_threads, share_gpu_env, shutdown)
+
+
+class WorkerError(RuntimeError):
+    """A worker rank raised, died, or did not answer in time."""
+
+
+def raised(traceback_text):
+    """A worker's traceback in one line: its exception's first line, and its last one where
+    the message runs over several (an NCCL error names the failed CUDA call there)."""
+    lines = traceback_text.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else 0
+    text = [line.strip() for line in lines[start:] if line.strip() and not line[0].isspace()]
+    if not text:
+        return lines[-1].strip() if lines else "(no traceback)"
+    return text[0] if len(text) == 1 else f"{text[0]} ... {text[-1]}"
+
+
+_SIGNAL_MEANING = {
+    "SIGABRT": "an abort, as NCCL's watchdog aborts a rank whose collective failed or timed out",
+    "SIGKILL": "the out-of-memory killer's signal, unless someone else sent it",
+    "SIGSEGV": "a crash in native code",
+}
+
+
+def exit_meaning(code):
+    """A worker's exit code in words: a negative one is the signal that ended it."""
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    meaning = _SIGNAL_MEANING.get(name)
+    return f"exit code {code}, {name}" + (f": {meaning}" if meaning else "")
+
+
+def _exit_with_launcher(launcher_pid):
+    """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks. A
+    worker's parent is the launcher (spawn) or the fork server, which exits with the launcher:
+    either way, once the parent changes, or the launcher is gone, the worker exits."""
+    parent = os.getppid()
+
+    def launcher_alive():
+        try:
+            os.kill(launcher_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def watch():
+        while os.getppid() == parent and launcher_alive():
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
+
+
+def _start_context():
+    """How workers start: forked from a fork server that imported torch and this package once,
+    so a pool starts in a fraction of a second instead of a few seconds per rank (a spawned
+    process imports torch anew). The server does nothing but import: no thread pool, no CUDA,
+    so its children start as clean as spawned ones, and each worker takes the launcher's
+    environment as it is when the pool starts (`_worker_main`). Where there is no fork server
+    (Windows), spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "tensor_parallel_toy"])  # read once it starts
+    return ctx
+
+
+# Set to one of INJECTABLE, a worker fails on purpose, so that a run on CPU shows what a
+# failure on a GPU reports (gpu-check's tests): the last rank raises in its first task, aborts
+# in it (exit -6, as NCCL's watchdog aborts a rank), or never joins the process group.
+INJECT_ENV = "TENSOR_PARALLEL_TOY_INJECT_FAILURE"
+INJECTABLE = ("raise", "abort", "hang-at-start")
+
+
+def _injected(stage, rank, world_size):
+    what = os.environ.get(INJECT_ENV)
+    if not what or rank != world_size - 1:
+        return
+    if what not in INJECTABLE:
+        raise ValueError(f"{INJECT_ENV}={what!r}: valid are {', '.join(INJECTABLE)}")
+    if stage == "start" and what == "hang-at-start":
+        time.sleep(1 << 20)  # the parent watch ends it with the launcher
+    if stage == "task" and what == "raise":
+        raise RuntimeError(f"injected by {INJECT_ENV}=raise: the error a failed collective "
+                           f"raises")
+    if stage == "task" and what == "abort":
+        os.abort()
+
+
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, launcher_pid,
+                 environ, high_priority_streams=False):
+    # A forked worker inherits the fork server's environment, from when it started: take the
+    # launcher's as it is now, as a spawned worker would.
+    os.environ.clear()
+    os.environ.update(environ)
+    _exit_with_launcher(launcher_pid)
+    try:
+        _injected("start", rank, world_size)
+        nccl = {}
+        if backend == "nccl":
+            if gpu_count() < world_size:  # SHARE_GPU_ENV: choose_backend allowed it
+                os.environ.update(share_gpu_env(rank))
+            nccl = {"device_id": bind_gpu(rank, world_size),
+                    "pg_options": nccl_options(high_priority_streams)}
+        else:
+            set_threads(world_size)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), **nccl)
+        results.put((rank, "ready", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            _injected("task", rank, world_size)
+            results.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+    shutdown()
+
+
+class WorkerPool:
+    """`world_size` local ranks in one process group, reused across many `run` calls.
+
+    Under NCCL rank r binds GPU r (all ranks GPU 0 when SHARE_GPU_ENV=1 lets them share one);
+    `high_priority_streams`: see `nccl_options`."""
+
+    def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
+                 high_priority_streams=False, start_timeout_s=None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size {world_size!r} must be a positive integer")
+        devices = {None: "auto", "gloo": "cpu", "nccl": "cuda"}
+        if backend not in devices:
+            raise ValueError(f"backend {backend!r} is not one of: gloo, nccl")
+        self.world_size = world_size
+        self.backend = choose_backend(world_size, devices[backend])  # checks the GPU count
+        self.timeout_s = timeout_s
+        # The store lives here, on a port the OS picked (port 0): two pools, or a pool and a
+        # torchrun job, can never collide on a port.
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        ctx = _start_context()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
+                        args=(rank, world_size, self._store.port, self.backend, timeout_s,
+                              self._tasks[rank], self._results, os.getpid(),
+                              dict(os.environ), high_priority_streams))
+            for rank in range(world_size)]
+        for proc in self._procs:
+            proc.start()
+        # The first pool of a process starts the fork server, which imports torch: by default
+        # allow for a slow start.
+        self._collect("ready", start_timeout_s or timeout_s + 60)
+
+    @property
+    def alive(self):
+        return self._procs is not None and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout_s=None, **kwargs):
+        """Run `fn(*args, **kwargs)` on every rank; return the per-rank results in rank order."""
+        if not self.alive:
+            raise WorkerError("the worker pool is closed")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect("ok", timeout_s or self.timeout_s * 2)
+
+    def _collect(self, expected, timeout_s):
+        got, deadline = {}, time.monotonic() + timeout_s
+        starting = f" while forming the {self.backend} process group" \
+            if expected == "ready" else ""
+        while len(got) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(got))
+            try:
+                rank, status, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                self._raise_if_a_rank_died()
+                if time.monotonic() > deadline:
+                    self.close(graceful=False)
+                    raise WorkerError(f"no answer from ranks {missing} within "
+                                      f"{timeout_s:.0f} s{starting}; stopped all ranks") from None
+                continue
+            if status == "error":
+                cause = raised(payload)
+                # When a rank dies, its peers soon raise "connection closed": give the launcher
+                # a moment to see the death, so the error names the cause, not a consequence;
+                # no need once every rank has answered (the usual case: all raised alike).
+                self._await_answers_or_a_death({rank, *got}, time.monotonic() + 1.0)
+                self._raise_if_a_rank_died(also=f"rank {rank} then raised: {cause}",
+                                           besides=rank)  # it leaves after raising at start
+                # The other ranks may be blocked in a collective this rank will never join.
+                self.close(graceful=False)
+                silent = [r for r in missing if r != rank]
+                raise WorkerError(f"rank {rank} raised: {cause}" + (
+                    f" ({starting.strip()}; no word from ranks {silent})" if starting and silent
+                    else "") + f"\n{payload}")
+            assert status == expected, (status, expected)
+            got[rank] = payload
+        return [got[r] for r in range(self.world_size)]
+
+    def _await_answers_or_a_death(self, answered, deadline):
+        while len(answered) < self.world_size and time.monotonic() < deadline:
+            if any(not p.is_alive() for r, p in enumerate(self._procs) if r not in answered):
+                return
+            try:
+                answered.add(self._results.get(timeout=0.05)[0])
+            except queue.Empty:
+                pass
+
+    def _raise_if_a_rank_died(self, also="", besides=None):
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                if not p.is_alive() and r != besides]
+        if dead:
+            self.close(graceful=False)
+            rank, code = dead[0]
+            raise WorkerError(f"rank {rank} died ({exit_meaning(code)}); stopped the other "
+                              f"ranks" + (f"; {also}" if also else ""))
+
+    def close(self, graceful=True):
+        """Ask the workers to leave cleanly; whoever does not within 10 s is killed.
+        `graceful=False` kills at once (after an error the others may be stuck)."""
+        if self._procs is None:
+            return
+        for q in self._tasks if graceful else ():
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (10 if graceful else 0)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def launch(main, world_size=2, *args):
+    """Run `main(*args)` on every rank, the way an example is started either way.
+
+    Under torchrun (RANK and WORLD_SIZE set) this process is one rank: join the group with
+    `init_from_env`, run `main`, leave with `shutdown`, and return `[main's result]` (this
+    rank's only). Otherwise start `world_size` local ranks (a `WorkerPool`) and return every
+    rank's result in rank order.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_from_env()
+        try:
+            return [main(*args)]
+        finally:
+            shutdown()
+    with WorkerPool(world_size) as pool:
+        return pool.run(main, *args)
