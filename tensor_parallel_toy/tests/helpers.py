@@ -156,6 +156,20 @@ def draw_norms_and_biases_(model):
     return model
 
 
+# The sizes of the tests' tiny random Hugging Face models (nothing is downloaded).
+TINY_HF = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def tiny_hf_model(config_cls, model_cls, **change):
+    """A tiny random `transformers` model, TINY_HF's sizes with `change`, in eval mode, its norm
+    weights and biases drawn off their defaults; seeded: the same for the same arguments."""
+    transformers = import_transformers()
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY_HF, **change})
+    return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
+
+
 def random_batch(config, batch, seq, seed, ignore_frac=0.0, ignore_index=-100):
     """ids and labels `[batch, seq]` on this rank's device, the same on every rank; a fraction
     of the labels set to ignore_index."""

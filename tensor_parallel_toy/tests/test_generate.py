@@ -21,11 +21,9 @@ from tensor_parallel_toy.guards import RanksDisagreeError
 from tensor_parallel_toy.inference.generate import KVCache, generate
 from tensor_parallel_toy.launcher.initialize import current_device
 
-from .helpers import BACKENDS, draw_norms_and_biases_, import_transformers, world
+from .helpers import BACKENDS, import_transformers, tiny_hf_model, world
 
 NEW = 6  # tokens generated per prompt
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 SHAPES = {"llama3.2": ("LlamaConfig", "LlamaForCausalLM",
                        dict(num_attention_heads=8, tie_word_embeddings=True)),
           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24))}
@@ -44,11 +42,7 @@ def _prompts(vocab):
 def reference(name):
     """In the pytest process: (config, baseline state, ids, mask, Hugging Face's greedy tokens,
     its eos id)."""
-    transformers = import_transformers()
-    config_cls, model_cls, change = SHAPES[name]
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **change}))
-    draw_norms_and_biases_(hf.eval())
+    hf = tiny_hf_model(*SHAPES[name][:2], **SHAPES[name][2])
     ids, mask = _prompts(hf.config.vocab_size)
     with torch.no_grad():
         tokens = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,

@@ -24,12 +24,10 @@ from tensor_parallel_toy import Transformer, from_hf, to_hf
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.interop.data_parallel import apply_fsdp, data_parallel_loss, split_batch
 
-from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, draw_norms_and_biases_,
-                      import_transformers, max_rel_error, mesh_2x2, random_batch)
+from .helpers import (MODEL_FP32_TOL, assert_bf16, assert_errors, import_transformers,
+                      max_rel_error, mesh_2x2, random_batch, tiny_hf_model)
 
 SEQ, WINDOW = 11, 4  # 11: not a multiple of 2 or 4 (the TP model pads); longer than the window
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=16)
 
@@ -58,13 +56,8 @@ OVERLAPS = {2: {name: (False, True) for name in SHAPES},
 
 def hf_model(name, dtype=torch.float32):
     """The shape's random Hugging Face model (eval mode, the same for the same name)."""
-    transformers = import_transformers()
     config_cls, model_cls, change = SHAPES[name][:3]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**TINY, **change})
-    model = getattr(transformers, model_cls)(config).eval()
-    draw_norms_and_biases_(model)
-    return model.to(dtype)
+    return tiny_hf_model(config_cls, model_cls, **change).to(dtype)
 
 
 def _hf_step(hf, ids, labels):
