@@ -147,8 +147,13 @@ class Attention(nn.Module):
         return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
 
     def forward(self, x, cos, sin):
+        return self.proj(self.attend(self.qkv(x), cos, sin))  # [s/p, b, h]
+
+    def attend(self, qkv, cos, sin):
+        """Attention over this rank's heads, from its qkv rows `[s, b, rows]` -> `[s, b,
+        nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers)."""
         n = self.q_per_kv  # query heads per k/v head on this rank
-        qkv = self.qkv(x).unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
+        qkv = qkv.unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
         s, b = qkv.shape[:2]
         q = qkv[:, :, :, :n].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
         k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [s, b, kv heads here, hd] each
@@ -159,8 +164,7 @@ class Attention(nn.Module):
         # enable_gqa: query head i reads k/v head i // n of this rank.
         o = F.scaled_dot_product_attention(q, k, v, **self._mask(s, q.device),
                                            enable_gqa=n > 1)  # [b, nh/p, s, hd]
-        o = o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
-        return self.proj(o)  # [s/p, b, h]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
 
 
 class MLP(nn.Module):
@@ -269,27 +273,30 @@ class Transformer(nn.Module):
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
         s = input_ids.shape[1]
-        x = self.embed(pad_sequence(input_ids.t(), self.seq_multiple, 0))  # [s'/p, b, h]
-        for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        logits = self.head(self.norm(x))  # [s', b, V/p]: s' = s padded to a multiple of p
+        logits = self.sharded_logits(pad_sequence(input_ids.t(), self.seq_multiple, 0))
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
         labels = pad_sequence(labels.t(), self.seq_multiple, ignore_index)  # [s', b]
-        loss = self._cross_entropy(logits, labels, ignore_index, label_smoothing, reduction)
+        loss = self._cross_entropy(logits, labels, ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, reduction=reduction)
         return loss[:s].t() if reduction == "none" else loss  # [b, s] or a scalar
 
-    def _cross_entropy(self, logits, labels, ignore_index, label_smoothing, reduction):
+    def sharded_logits(self, ids):
+        """ids `[s', b]` (s' padded to a multiple of p) -> this rank's logits `[s', b, V/p]`:
+        the embedding, the blocks, the final norm and the head (halves/ runs them as two
+        interleaved halves of the batch instead)."""
+        x = self.embed(ids)  # [s'/p, b, h]
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x))
+
+    def _cross_entropy(self, logits, labels, **options):
         """logits [s', b, V/p], labels [s', b] -> the loss; the baseline's is F.cross_entropy,
         the reference every TP result is compared with."""
-        if self.tp_group is None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                   reduction=reduction)
-            return loss.view(labels.shape) if reduction == "none" else loss
-        return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
-                                            ignore_index=ignore_index,
-                                            label_smoothing=label_smoothing, reduction=reduction)
+        if self.tp_group is not None:
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group, **options)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), **options)
+        return loss.view(labels.shape) if options["reduction"] == "none" else loss
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

@@ -29,6 +29,7 @@ from ..comm import all_gather_dim, all_reduce_, group_size
 from ..guards.agreement import RanksDisagreeError, agree_on_batch, by_value, check_ranks_agree
 from ..guards.batch import check_token_ids
 from ..rotary import rotate
+from ..support.local import between_mlp_layers, column_gemm, vocab_shard_lookup
 
 
 class KVCache:
@@ -53,10 +54,7 @@ class KVCache:
 
 def _embed(embed, ids, group):
     """The lookup of `ids` `[b, t]`, whole on every rank: each rank its vocabulary rows, summed."""
-    start = getattr(embed, "vocab_start", 0)
-    outside = (ids < start) | (ids >= start + embed.weight.shape[0])
-    x = F.embedding((ids - start).masked_fill(outside, 0), embed.weight)
-    return all_reduce_(x.masked_fill(outside.unsqueeze(-1), 0.0), group)  # [b, t, h]
+    return all_reduce_(vocab_shard_lookup(embed, ids), group)  # [b, t, h]
 
 
 def _row(layer, x, group):
@@ -85,10 +83,8 @@ def _attention(attn, x, layer, cache, visible, cos, sin, group):
 
 
 def _mlp(mlp, x, group):
-    if hasattr(mlp, "gate_up"):  # SwiGLU: this rank's gate rows, then its up rows
-        gate, up = F.linear(x, mlp.gate_up.weight).unflatten(-1, (2, -1)).unbind(-2)
-        return _row(mlp.down, F.silu(gate) * up, group)
-    return _row(mlp.fc2, F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), group)
+    first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
+    return _row(second, between_mlp_layers(mlp, column_gemm(first, x)), group)
 
 
 def _visible(key_ok, key_pos, query_pos, window):

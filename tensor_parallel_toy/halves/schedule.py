@@ -1,0 +1,142 @@
+"""Two halves of the batch, interleaved: each half's transfers run under the other half's compute.
+
+Read after the reading path. The rings (ring.py) hide a transfer only under the GEMMs of its
+own layer; attention, the norms, the loss have nothing beside them, which caps what per-layer
+overlap can give (the profile prints that ceiling). Splitting the batch makes two independent
+computations: while one half's activations cross the wire, the other half can compute anything
+at all, attention and norms included (the idea of Domino: Wang et al., 2024, arXiv:2409.15241,
+which does it on a second CUDA stream; here the host posts, computes and waits).
+
+Each half runs the model's own layers as a generator (`_half`): where the reading path calls a
+collective whole, it posts the split-phase collective (split_phase.py), yields, and waits for
+it when resumed; it also yields once inside attention and inside the MLP, between their two
+GEMMs. `interleave` resumes the two halves in turn, the second one turn behind the first, so
+that every transfer of one half is on the wire while the other runs a GEMM. One block, forward
+(A, B the halves; AG, RS the sequence all-gather and reduce-scatter; `|` a turn):
+
+    A: norm, post AG | A: wait AG, qkv, attend | B: norm, post AG | A: proj, post RS(A)
+    | B: wait AG, qkv, attend          <- RS(A) on the wire
+    | A: wait RS, add, norm, post AG(A) | B: proj, post RS(B)      <- AG(A) under B's proj
+    | A: wait AG, fc1, gelu            <- RS(B) on the wire
+    | B: wait RS, add, norm, post AG(B) | A: fc2, post RS(A)       <- AG(B) under A's fc2
+    | B: wait AG, fc1, gelu            <- RS(A) on the wire  ...
+
+The backward needs no schedule of its own: autograd runs the nodes in the reverse order of
+their creation, so each backward transfer (posted by a wait node's backward) runs under the
+backward of the compute that hid its forward, before the post node's backward waits for it.
+
+Exact: the halves are the rows of one batch, every op is the path's, so the logits, the loss and
+every gradient equal `Transformer`'s up to the order of fp32 additions. The column layers save
+their gathered input `[s, b, in]` for the weight's gradient instead of re-gathering it from the
+shard in the backward (as parallel_linear's `_AllGatherGemm` does): p times that activation's
+memory, one transfer fewer per column layer's backward.
+
+A batch of b rows runs as halves of ceil(b/2) and floor(b/2) rows (an odd batch splits
+unevenly); a batch of one row cannot be split into independent halves (the sequence could not:
+its second half attends to the first) and is refused. Layers built with `overlap=True` are
+refused too: their rings would put whole, blocking transfers inside the halves' turns.
+"""
+import torch
+
+from ..comm import copy_to_tensor_parallel_region, group_size
+from ..model import Transformer
+from ..support.local import between_mlp_layers, column_gemm, row_gemm, vocab_shard_lookup
+from .split_phase import post_all_gather_seq, post_reduce_scatter_seq
+
+
+def interleave(first, second):
+    """Run two generators to their end, in turns: `first` alone once, then `first`, `second`,
+    `first`, ... (the second a turn behind, see the module). Returns both results, in order."""
+    halves, results = [first, second], [None, None]
+
+    def turn(i):  # False once that half has finished
+        try:
+            next(halves[i])
+            return True
+        except StopIteration as done:
+            results[i] = done.value
+            return False
+
+    live = [0, 1] if turn(0) else [1]
+    while live:
+        live = [i for i in live if turn(i)]
+    return results
+
+
+def _gather(x, group):
+    """`[s/p, b, h]` -> `[s, b, h]`, the other half running meanwhile."""
+    posted = post_all_gather_seq(x, group)
+    yield
+    return posted.wait()
+
+
+def _scatter(y, group, bias=None):
+    """`[s, b, h]` partial sums -> this rank's rows of their sum `[s/p, b, h]`, plus the row
+    layer's replicated bias (through `f`: each rank adds it to its own rows only)."""
+    posted = post_reduce_scatter_seq(y, group)
+    yield
+    y = posted.wait()
+    return y if bias is None else y + copy_to_tensor_parallel_region(bias, group)
+
+
+def _block(block, x, cos, sin, group):
+    """`TransformerBlock.forward` on one half `[s/p, b', h]`, yielding at every transfer and
+    between the two GEMMs of attention and of the MLP."""
+    attn, mlp = block.attn, block.mlp
+    gathered = yield from _gather(block.attn_norm(x), group)  # [s, b', h]
+    heads = attn.attend(column_gemm(attn.qkv, gathered), cos, sin)  # [s, b', nh*hd/p]
+    yield
+    x = x + (yield from _scatter(row_gemm(attn.proj, heads), group, attn.proj.bias))
+    first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
+    gathered = yield from _gather(block.mlp_norm(x), group)
+    y = between_mlp_layers(mlp, column_gemm(first, gathered))  # [s, b', m/p]
+    yield
+    return x + (yield from _scatter(row_gemm(second, y), group, second.bias))
+
+
+def _half(model, ids):
+    """`Transformer.sharded_logits` on one half of the batch, ids `[s', b']` -> `[s', b', V/p]`."""
+    group = model.tp_group
+    x = yield from _scatter(vocab_shard_lookup(model.embed, ids), group)  # [s'/p, b', h]
+    for block in model.layers:
+        x = yield from _block(block, x, model.rope_cos, model.rope_sin, group)
+    gathered = yield from _gather(model.norm(x), group)
+    return column_gemm(model.head, gathered)
+
+
+def split_batch_in_halves(t, dim=1):
+    """The two halves of `t` along its batch dim (ceil and floor of b/2 rows); one row: an
+    error naming the batch."""
+    b = t.shape[dim]
+    if b < 2:
+        raise ValueError(f"batch of {b} row(s): two halves of the batch need at least 2 rows "
+                         f"(an odd batch splits unevenly); for a single sequence use "
+                         f"overlap=True (the rings) or the plain layers")
+    return t.split([(b + 1) // 2, b // 2], dim=dim)
+
+
+def block_in_halves(block, x, cos, sin, group):
+    """One `TransformerBlock` (built with `tp_group=group`) on x `[s/p, b, h]`, its two halves
+    interleaved: the same output as `block(x, cos, sin)`."""
+    a, b = split_batch_in_halves(x)
+    return torch.cat(interleave(_block(block, a, cos, sin, group),
+                                _block(block, b, cos, sin, group)), dim=1)
+
+
+class TransformerInHalves(Transformer):
+    """`Transformer`, the same weights, calls and results, whose embedding, blocks and head run
+    as two interleaved halves of the batch (`model(ids, labels)`, `guard(model)`: as for
+    `Transformer`). `tp_group` is required; `overlap=True` is refused (see the module)."""
+
+    def __init__(self, config, tp_group, overlap=False, **kwargs):
+        if tp_group is None or overlap:
+            raise ValueError(f"TransformerInHalves(tp_group={tp_group}, overlap={overlap}): "
+                             f"it needs a TP group, and schedules the plain layers' transfers "
+                             f"itself (overlap=False)")
+        super().__init__(config, tp_group, False, **kwargs)
+
+    def sharded_logits(self, ids):
+        if group_size(self.tp_group) == 1:
+            return super().sharded_logits(ids)
+        a, b = split_batch_in_halves(ids)
+        return torch.cat(interleave(_half(self, a), _half(self, b)), dim=1)  # [s', b, V/p]
