@@ -211,6 +211,7 @@ def parse_args(argv, env=os.environ):
                          f"{', '.join(valid)}" + _other_model_hint(bad))
     args.modes_given = args.modes is not None
     args.modes = [m for m in MODES if m in modes]  # always in the canonical order
+    _check_halves(args)
     try:
         args.config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                                   num_layers=args.layers, num_heads=args.heads,
@@ -261,6 +262,21 @@ def parse_args(argv, env=os.environ):
         trace_dir=os.path.abspath(args.out) if args.trace else None,
         ring_pieces=args.ring_pieces, wire=args.wire)
     return args
+
+
+def _check_halves(args):
+    """tp_halves needs a batch of 2 rows or more and a 1-D run: refused when named, dropped
+    from the default modes otherwise."""
+    why = None
+    if args.dp > 1:
+        why = (f"--dp {args.dp}: FSDP2 gathers each block's weights in the block's own forward, "
+               f"which the two halves do not call; use --dp 1")
+    elif args.batch < 2:
+        why = f"--batch {args.batch}: two halves of the batch need --batch 2 or more"
+    if why and "tp_halves" in args.modes:
+        if args.modes_given:
+            raise UsageError(f"--modes tp_halves with {why}, or leave tp_halves out of --modes")
+        args.modes = [m for m in args.modes if m != "tp_halves"]
 
 
 def _check_wire(args, env):

@@ -12,12 +12,14 @@ import torch
 
 from ..config import ModelConfig
 
-MODES = ("baseline", "tp", "tp_overlap", "dtensor", "hf_dtensor")  # every mode, in run order
+MODES = ("baseline", "tp", "tp_overlap", "tp_halves", "dtensor", "hf_dtensor")  # in run order
 # --model: the MLP of the profile's network, and the modes that can run it (default: all of them).
 # PyTorch's plan for our Transformer names the GELU MLP; on the Llama network it runs on a
 # Hugging Face LlamaForCausalLM instead (hf_dtensor), holding the same weights.
-MODELS = {"default": {"mlp": "gelu", "modes": ("baseline", "tp", "tp_overlap", "dtensor")},
-          "llama": {"mlp": "swiglu", "modes": ("baseline", "tp", "tp_overlap", "hf_dtensor")}}
+MODELS = {"default": {"mlp": "gelu",
+                     "modes": ("baseline", "tp", "tp_overlap", "tp_halves", "dtensor")},
+          "llama": {"mlp": "swiglu",
+                    "modes": ("baseline", "tp", "tp_overlap", "tp_halves", "hf_dtensor")}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The profile's model, larger than ModelConfig's defaults: big enough for the GEMMs to matter.

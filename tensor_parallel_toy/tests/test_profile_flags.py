@@ -37,7 +37,9 @@ from tensor_parallel_toy.profiling import cli as profile
     (["--dp", "2", "--batch", "3"], ["--batch 3", "--dp 2", "--batch 4"]),
     (["--dp", "2", "--tp", "3"], ["hidden_size=256", "size 3"]),
     (["--model", "gpt"], ["--model 'gpt'", "default, llama"]),
-    (["--modes", "tp,hf_dtensor"], ["baseline, tp, tp_overlap, dtensor",
+    (["--modes", "tp,tp_halves", "--batch", "1"], ["--batch 1", "--batch 2 or more"]),
+    (["--modes", "tp_halves", "--dp", "2"], ["--modes tp_halves", "--dp 2", "--dp 1"]),
+    (["--modes", "tp,hf_dtensor"], ["baseline, tp, tp_overlap, tp_halves, dtensor",
                                     "hf_dtensor needs --model llama"]),
     (["--model", "llama", "--modes", "dtensor"], ["hf_dtensor", "dtensor needs --model default"]),
     (["--model", "llama", "--kv-heads", "1"], ["num_key_value_heads=1", "size 2"]),
@@ -137,3 +139,10 @@ def test_under_torchrun_dp_times_tp_must_be_the_world_size(flags, world, words, 
     assert all(w in str(info.value) for w in words), str(info.value)
     args = profile.parse_args(["--dp", "2", "--out", str(tmp_path)], env=env)
     assert (args.spec.dp, args.spec.tp) == (2, 2), args.spec
+
+
+def test_tp_halves_leaves_the_default_modes_where_it_cannot_run(tmp_path):
+    """A batch of one row, or a 2-D run: the default modes go on without tp_halves."""
+    for flags in (["--batch", "1"], ["--dp", "2", "--batch", "2"]):
+        args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
+        assert "tp_halves" not in args.modes and "tp" in args.modes, (flags, args.modes)

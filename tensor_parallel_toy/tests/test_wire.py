@@ -228,7 +228,7 @@ def test_a_profile_on_the_modeled_wire_says_it_is_a_model(pools, tmp_path):
              "--link", "model:4gbit", "--ring-pieces", "2"]
     args = profile.parse_args([*flags, "--out", str(tmp_path)], env={})
     args.argv = flags
-    assert args.modes == ["baseline", "tp", "tp_overlap"], args.modes  # DTensor: not on it
+    assert args.modes == ["baseline", "tp", "tp_overlap", "tp_halves"], args.modes  # no DTensor
     results = phases.run_phases(phases.PoolRunner(pools(2)), args)
     results["meta"]["runtime_s"] = 0.0
     summary = phases.write_outputs(results, str(tmp_path))

@@ -25,12 +25,14 @@ included; the profile records one block), and the code being timed is the packag
 own, unmodified.
 """
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...guards.collectives import barrier, reduce_numbers
+from ...halves import block_in_halves
 from ...launcher.initialize import current_device
 from ...model import TransformerBlock, draw_full_weights_, rotary_tables
 from ...parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -149,7 +151,8 @@ def _record_once(block, x_in, dy, cos, sin, device, group):
 
 
 def record(spec):
-    """On every rank: one TransformerBlock's forward + backward, without and with overlap,
+    """On every rank: one TransformerBlock's forward + backward, without and with overlap (the
+    rings; and the two halves, `block_in_halves`, when tp_halves is among the modes),
     recorded `spec.timeline_iters` times each (interleaved, so a burst of load from outside
     hits both alike). Keeps, per mode, the spans of the recording whose slowest-rank time is
     the median, and the numbers (`span_totals`) of every recording.
@@ -162,10 +165,12 @@ def record(spec):
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(s // p, b, h, generator=gen).to(device, dtype)  # [s/p, b, h]
     dy = torch.randn(s // p, b, h, generator=gen).to(device, dtype)
-    modes = ("tp", "tp_overlap")
-    blocks, inputs = {}, {}
+    modes = ("tp", "tp_overlap") + (("tp_halves",) if "tp_halves" in spec.modes else ())
+    blocks, inputs, run = {}, {}, {}
     for mode in modes:
         blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        run[mode] = (functools.partial(block_in_halves, blocks[mode], group=group)
+                     if mode == "tp_halves" else blocks[mode])
         for layer in blocks[mode].modules():  # as the Transformer cuts its rings
             if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 layer.ring_pieces = spec.ring_pieces
@@ -174,17 +179,17 @@ def record(spec):
         inputs[mode] = x.clone().requires_grad_()
         for warm in range(2):  # warm-up, the first one recorded and thrown away: the first
             with record_into(Clock(device)) if warm == 0 else contextlib.nullcontext():
-                blocks[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
+                run[mode](inputs[mode], cos, sin).backward(dy)  # pass through the timers
     runs = {mode: [] for mode in modes}
     for _ in range(spec.timeline_iters):
         for mode in modes:
-            runs[mode].append(_record_once(blocks[mode], inputs[mode], dy, cos, sin, device,
+            runs[mode].append(_record_once(run[mode], inputs[mode], dy, cos, sin, device,
                                            group))
     out = {}
     for mode in modes:
         if device.type == "cuda":  # one more pass, under torch.profiler: NCCL's kernels
             out.setdefault(mode, {})["nccl_kernel_ms"] = _nccl_kernel_ms(
-                lambda m=mode: blocks[m](inputs[m], cos, sin).backward(dy), device)
+                lambda m=mode: run[m](inputs[m], cos, sin).backward(dy), device)
         totals = reduce_numbers([max(s["end"] for s in spans) for spans in runs[mode]], group,
                                 dist.ReduceOp.MAX)  # the slowest rank's: the same on all ranks
         median = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]

@@ -14,6 +14,7 @@ STYLE = {  # mode: (color, line style, marker); the TP curves are drawn over the
     "baseline": ("#444444", "-", None),
     "tp": ("#1f77b4", "--", "o"),
     "tp_overlap": ("#ff7f0e", ":", "s"),
+    "tp_halves": ("#e377c2", (0, (5, 1, 1, 1)), "D"),
     "dtensor": ("#2ca02c", "-.", "^"),
     "hf_dtensor": ("#d62728", "-.", "v"),
 }

@@ -9,13 +9,15 @@ import json
 import os
 
 from ..measure.metrics import MiB, ratio_interval, summarize
+from .landing import landing_lines
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets.json"),
           encoding="utf-8") as _f:
     TARGETS = json.load(_f)
-RATIOS = (("tp_overlap", "tp"), ("tp_overlap", "dtensor"), ("tp", "dtensor"),
+RATIOS = (("tp_overlap", "tp"), ("tp_halves", "tp"), ("tp_halves", "tp_overlap"),
+          ("tp_overlap", "dtensor"), ("tp", "dtensor"), ("tp_halves", "dtensor"),
           ("tp_overlap", "hf_dtensor"), ("tp", "hf_dtensor"),
-          ("tp", "baseline"), ("tp_overlap", "baseline"))
+          ("tp", "baseline"), ("tp_overlap", "baseline"), ("tp_halves", "baseline"))
 
 
 def combine_mode(per_rank, warmup, tokens_per_step):
@@ -125,8 +127,8 @@ def _hidden_note(op):
 def evaluate_targets(results):
     """The benchmark targets: measured value, met or not, shortfall, measured reason. Each
     function below checks one target and returns None when this run has nothing to check it on."""
-    checks = (_overlapped_op_target, _overlap_vs_tp_target, _overlap_vs_dtensor_target,
-              _loss_target)
+    checks = (_overlapped_op_target, _overlap_vs_tp_target, _halves_vs_tp_target,
+              _overlap_vs_dtensor_target, _loss_target)
     return [t for t in (check(results) for check in checks) if t is not None]
 
 
@@ -173,40 +175,67 @@ def _overlapped_op_target(results):
 def _overlap_vs_tp_target(results):
     """tp_overlap / tp: on the link its median and interval's top against `overlap_vs_tp_link`;
     on loopback the interval's top against `overlap_vs_tp_loopback`."""
-    r = _ratio(results, "tp_overlap", "tp")
-    if r is None:
-        return None
+    return _faster_than_tp_target(results, "tp_overlap", "overlap_vs_tp_link",
+                                  "overlap_vs_tp_loopback", _rings_why)
+
+
+def _halves_vs_tp_target(results):
+    """tp_halves / tp on the link against `halves_vs_tp_link` (loopback: only reported)."""
+    return _faster_than_tp_target(results, "tp_halves", "halves_vs_tp_link", None, _halves_why)
+
+
+def _faster_than_tp_target(results, mode, on_link, on_loopback, why):
+    r = _ratio(results, mode, "tp")
     link, gpu = _run_kind(results)
-    bench, tl = results.get("overlap_benchmark"), results.get("timeline")
+    if r is None or not (link or on_loopback):
+        return None
     low, high = r["ci95"]
     if link:
-        median_limit = TARGETS["overlap_vs_tp_link"]["median"]
-        high_limit = TARGETS["overlap_vs_tp_link"]["interval_top"]
-        name = target_text("overlap_vs_tp_link")
+        median_limit = TARGETS[on_link]["median"]
+        high_limit = TARGETS[on_link]["interval_top"]
+        name = target_text(on_link)
         met = r["ratio"] <= median_limit and high < high_limit
         short = max(r["ratio"] - median_limit, high - high_limit)
     else:
-        limit = TARGETS["overlap_vs_tp_loopback"]["bound"]
-        name = target_text("overlap_vs_tp_loopback")
+        limit = TARGETS[on_loopback]["bound"]
+        name = target_text(on_loopback)
         met, short = high <= limit, high - limit
-    why = None
-    if tl:
-        t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
-        total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
-        who = "the compute stream stalled" if gpu else "the host blocked"
-        why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
-               f"(slowest rank): tp {total:.1f} ms, {who} {blocked:.1f} ms waiting for "
-               f"communication (hiding all of it would give {(total - blocked) / total:.2f}"
-               f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still "
-               f"{o['blocked_in_comm_ms']['median']:.1f} ms"
-               + ("" if gpu else f", and posting {o['posting_ms']['median']:.1f} ms"))
-        gemm = max((r.get("gemm_ms", 0.0) for r in tl["summary"]["tp"]["per_rank"]), default=0.0)
-        if gemm:  # the ring hides a transfer only under the GEMMs of its own layer
-            why += (f"; the rings hide a transfer only under its own layer's GEMMs, "
-                    f"{gemm:.1f} ms of tp's block: at best "
-                    f"{(total - min(blocked, gemm)) / total:.2f} x tp")
-    note = f"{_fmt_ratio(r)}; " + _overlap_gain_note(bench) if bench else _fmt_ratio(r)
-    return _target(name, r["ratio"], met, None if met else short, why, note, interval=r["ci95"])
+    bench = results.get("overlap_benchmark")
+    note = (f"{_fmt_ratio(r)}; " + _overlap_gain_note(bench) if bench and mode == "tp_overlap"
+            else _fmt_ratio(r))
+    return _target(name, r["ratio"], met, None if met else short, why(results, gpu), note,
+                   interval=r["ci95"])
+
+
+def _rings_why(results, gpu):
+    """The timeline's account of tp_overlap against tp, or None without one."""
+    tl = results.get("timeline")
+    if not tl:
+        return None
+    t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
+    total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
+    who = "the compute stream stalled" if gpu else "the host blocked"
+    why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
+           f"(slowest rank): tp {total:.1f} ms, {who} {blocked:.1f} ms waiting for "
+           f"communication (hiding all of it would give {(total - blocked) / total:.2f}"
+           f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still "
+           f"{o['blocked_in_comm_ms']['median']:.1f} ms"
+           + ("" if gpu else f", and posting {o['posting_ms']['median']:.1f} ms"))
+    gemm = max((r.get("gemm_ms", 0.0) for r in tl["summary"]["tp"]["per_rank"]), default=0.0)
+    if gemm:  # the ring hides a transfer only under the GEMMs of its own layer
+        why += (f"; the rings hide a transfer only under its own layer's GEMMs, "
+                f"{gemm:.1f} ms of tp's block: at best "
+                f"{(total - min(blocked, gemm)) / total:.2f} x tp")
+    return why
+
+
+def _halves_why(results, gpu):
+    land = results.get("landing") or {}
+    if "limit" not in land:
+        return None
+    return (f"the limit of any schedule of tp's transfers is {land['limit']:.2f} x tp "
+            f"(max(comm, compute) / (comm + compute) of tp's block: "
+            f"{land['comm_ms']:.1f} ms waiting, {land['compute_ms']:.1f} ms computing)")
 
 
 def _overlap_vs_dtensor_target(results):
@@ -456,6 +485,8 @@ def summary_text(results):
     tl = results.get("timeline")
     if tl:
         lines += [""] + _timeline_lines(tl, meta["device"] == "cuda")
+    if results.get("landing"):
+        lines += [""] + landing_lines(results["landing"])
     lines += ["", "targets (met: the measured value, or its whole 95% interval, is on the right "
                   "side of the bound; MISSED: it is not, short by how much; n/a: this run cannot "
                   "decide):"]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ...guards.collectives import all_gather_objects
 from ..measure import bench_overlap, timeline
 from ..measure.metrics import keep_freed_memory
-from ..report import plots, report
+from ..report import landing, plots, report
 from ..report.output import write_text
 from ..wires import link, wire
 from . import tp_no_sp, train
@@ -180,6 +180,9 @@ def run_phases(runner, args):
         spans = {mode: [r[mode]["spans"] for r in per_rank] for mode in per_rank[0]}
         results["timeline"] = {"iterations": spec.timeline_iters,
                                "summary": timeline.summarize(per_rank), "spans": spans}
+    land = landing.landing(results)
+    if land:
+        results["landing"] = land
     results["targets"] = report.evaluate_targets(results)
     return results
 

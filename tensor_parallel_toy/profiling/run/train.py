@@ -5,6 +5,8 @@ Modes (the same network, initial weights, data and optimizer in all of them):
     baseline    `Transformer(config)` on one rank, plain nn.Linear, no communication
     tp          hand-written TP + SP layers, collectives called whole
     tp_overlap  the same layers with the ring overlap (`overlap=True`)
+    tp_halves   the same layers, the batch run as two interleaved halves, each half's transfers
+                under the other half's compute (`TransformerInHalves`, halves/)
     dtensor     the baseline model parallelized by PyTorch DTensor (see dtensor_tp.py)
     hf_dtensor  with a Llama-style config: a Hugging Face LlamaForCausalLM holding the
                 baseline's weights, parallelized by PyTorch's plan for it (see hf_llama.py)
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from ...comm import all_reduce_
 from ...guards import guard
 from ...guards.collectives import barrier
+from ...halves import TransformerInHalves
 from ...interop import dtensor_tp
 from ...interop.data_parallel import apply_fsdp, data_parallel_loss, init_mesh_2d, split_batch
 from ...launcher.initialize import current_device
@@ -63,12 +66,14 @@ def build_model(mode, config, group, device, dtype, seed, mesh=None, check_repli
     grads_check = check_replicated_grads if mesh is None else None
     if mode == "baseline":
         return Transformer(config, seed=seed).to(device, dtype)
-    if mode in ("tp", "tp_overlap"):
+    if mode in ("tp", "tp_overlap", "tp_halves"):
         tp = group if mesh is None else mesh["tp"].get_group()  # the same group, from the grid
-        model = guard(Transformer(config, tp_group=tp, overlap=mode == "tp_overlap",
-                                  ring_pieces=ring_pieces, seed=seed),
-                      check_replicated_grads=grads_check)
-        model = model.to(device, dtype)
+        if mode == "tp_halves":  # 1-D only (cli.py): FSDP2's units are the blocks it bypasses
+            model = TransformerInHalves(config, tp_group=tp, seed=seed)
+        else:
+            model = Transformer(config, tp_group=tp, overlap=mode == "tp_overlap",
+                                ring_pieces=ring_pieces, seed=seed)
+        model = guard(model, check_replicated_grads=grads_check).to(device, dtype)
     elif mode == "dtensor":
         model = dtensor_tp.parallelize_transformer(Transformer(config, seed=seed).to(device, dtype),
                                        group if mesh is None else mesh["tp"], device.type,
