@@ -73,9 +73,13 @@ class RMSNorm(nn.Module):
         self.weight.init_std = None  # drawn by no one: keep the ones
 
     def forward(self, x):
-        rms = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
-        weight = copy_to_tensor_parallel_region(self.weight, self.tp_group)  # [h]
-        return (x.float() * rms).type_as(x) * weight
+        return rms_norm(x, copy_to_tensor_parallel_region(self.weight, self.tp_group), self.eps)
+
+
+def rms_norm(x, weight, eps):
+    """x `[..., h]`, each row scaled to unit RMS (computed in fp32), times weight `[h]`."""
+    rms = x.float().pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
+    return (x.float() * rms).type_as(x) * weight
 
 
 def qkv_rows(num_kv_heads, q_per_kv, head_dim, p):
@@ -85,8 +89,7 @@ def qkv_rows(num_kv_heads, q_per_kv, head_dim, p):
     nkv < p: the p/nkv ranks of one k/v head split its query heads, and each holds a copy of
     its k and v rows: a weight several ranks use, each for its own query heads, so the copies'
     gradients are partial and ColumnParallelLinear sums them over those ranks (`f`)."""
-    full = torch.arange(num_kv_heads * (q_per_kv + 2) * head_dim).view(num_kv_heads, -1,
-                                                                        head_dim)
+    full = torch.arange(num_kv_heads * (q_per_kv + 2) * head_dim).view(num_kv_heads, -1, head_dim)
     if num_kv_heads >= p:
         return RowSplit(torch.stack([c.flatten() for c in full.chunk(p)]))
     sharing = p // num_kv_heads  # ranks per k/v head

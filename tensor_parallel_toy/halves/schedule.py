@@ -9,17 +9,23 @@ which does it on a second CUDA stream; here the host posts, computes and waits).
 
 Each half runs the model's own layers as a generator (`_half`): where the reading path calls a
 collective whole, it posts the split-phase collective (split_phase.py), yields, and waits for
-it when resumed; it also yields once inside attention and inside the MLP, between their two
-GEMMs. `interleave` resumes the two halves in turn, the second one turn behind the first, so
-that every transfer of one half is on the wire while the other runs a GEMM. One block, forward
-(A, B the halves; AG, RS the sequence all-gather and reduce-scatter; `|` a turn):
+it when resumed; it also yields once inside attention (after the qkv GEMM) and once inside the
+MLP (after fc1), so that the turns are of similar length. `interleave` resumes the two halves
+in turn, the second one turn behind the first, so that every transfer of one half is on the
+wire while the other half computes. One block, forward (A, B the halves; AG, RS the sequence
+all-gather and reduce-scatter; one line per turn, what is on the wire meanwhile on the right):
 
-    A: norm, post AG | A: wait AG, qkv, attend | B: norm, post AG | A: proj, post RS(A)
-    | B: wait AG, qkv, attend          <- RS(A) on the wire
-    | A: wait RS, add, norm, post AG(A) | B: proj, post RS(B)      <- AG(A) under B's proj
-    | A: wait AG, fc1, gelu            <- RS(B) on the wire
-    | B: wait RS, add, norm, post AG(B) | A: fc2, post RS(A)       <- AG(B) under A's fc2
-    | B: wait AG, fc1, gelu            <- RS(A) on the wire  ...
+    A: norm, post AG(A)
+    A: wait AG, qkv GEMM                    AG(A): exposed, the pipeline's fill
+    B: norm, post AG(B)
+    A: attend, proj GEMM, post RS(A)        AG(B)
+    B: wait AG, qkv GEMM                    RS(A)
+    A: wait RS, add, norm, post AG(A)
+    B: attend, proj GEMM, post RS(B)        AG(A)
+    A: wait AG, fc1 GEMM, gelu              RS(B)
+    B: wait RS, add, norm, post AG(B)
+    A: fc2 GEMM, post RS(A)                 AG(B)
+    B: wait AG, fc1 GEMM, gelu              RS(A)   ... and so on into the next block
 
 The backward needs no schedule of its own: autograd runs the nodes in the reverse order of
 their creation, so each backward transfer (posted by a wait node's backward) runs under the
@@ -39,7 +45,7 @@ refused too: their rings would put whole, blocking transfers inside the halves' 
 import torch
 
 from ..comm import copy_to_tensor_parallel_region, group_size
-from ..model import Transformer
+from ..model import Transformer, rms_norm
 from ..support.local import between_mlp_layers, column_gemm, row_gemm, vocab_shard_lookup
 from .split_phase import post_all_gather_seq, post_reduce_scatter_seq
 
@@ -79,28 +85,45 @@ def _scatter(y, group, bias=None):
     return y if bias is None else y + copy_to_tensor_parallel_region(bias, group)
 
 
-def _block(block, x, cos, sin, group):
+def norm_weights(norms, group):
+    """The residual stream's norms' weights, all through one `f`, once for both halves: their
+    gradients, both halves' summed, are all-reduced together in one call, and last, since
+    autograd runs the nodes created first at the end. Through `f` per norm and half (as a
+    norm's own forward would), the backward would hold a blocking all-reduce per norm and
+    half, each waiting for the other half's transfer still on the wire (measured on the
+    modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting). The norms of attention's
+    heads (q/k norms) still take theirs per half."""
+    weights = copy_to_tensor_parallel_region(torch.cat([n.weight for n in norms]), group)
+    return dict(zip(norms, weights.split([n.weight.numel() for n in norms])))
+
+
+def _norm(norm, x, weights):
+    return rms_norm(x, weights[norm], norm.eps)
+
+
+def _block(block, x, cos, sin, group, weights):
     """`TransformerBlock.forward` on one half `[s/p, b', h]`, yielding at every transfer and
-    between the two GEMMs of attention and of the MLP."""
+    between the two GEMMs of attention and of the MLP; `weights`: `norm_weights`."""
     attn, mlp = block.attn, block.mlp
-    gathered = yield from _gather(block.attn_norm(x), group)  # [s, b', h]
-    heads = attn.attend(column_gemm(attn.qkv, gathered), cos, sin)  # [s, b', nh*hd/p]
+    gathered = yield from _gather(_norm(block.attn_norm, x, weights), group)  # [s, b', h]
+    qkv = column_gemm(attn.qkv, gathered)  # [s, b', qkv rows]
     yield
+    heads = attn.attend(qkv, cos, sin)  # [s, b', nh*hd/p]
     x = x + (yield from _scatter(row_gemm(attn.proj, heads), group, attn.proj.bias))
     first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
-    gathered = yield from _gather(block.mlp_norm(x), group)
+    gathered = yield from _gather(_norm(block.mlp_norm, x, weights), group)
     y = between_mlp_layers(mlp, column_gemm(first, gathered))  # [s, b', m/p]
     yield
     return x + (yield from _scatter(row_gemm(second, y), group, second.bias))
 
 
-def _half(model, ids):
+def _half(model, ids, weights):
     """`Transformer.sharded_logits` on one half of the batch, ids `[s', b']` -> `[s', b', V/p]`."""
     group = model.tp_group
     x = yield from _scatter(vocab_shard_lookup(model.embed, ids), group)  # [s'/p, b', h]
     for block in model.layers:
-        x = yield from _block(block, x, model.rope_cos, model.rope_sin, group)
-    gathered = yield from _gather(model.norm(x), group)
+        x = yield from _block(block, x, model.rope_cos, model.rope_sin, group, weights)
+    gathered = yield from _gather(_norm(model.norm, x, weights), group)
     return column_gemm(model.head, gathered)
 
 
@@ -119,8 +142,9 @@ def block_in_halves(block, x, cos, sin, group):
     """One `TransformerBlock` (built with `tp_group=group`) on x `[s/p, b, h]`, its two halves
     interleaved: the same output as `block(x, cos, sin)`."""
     a, b = split_batch_in_halves(x)
-    return torch.cat(interleave(_block(block, a, cos, sin, group),
-                                _block(block, b, cos, sin, group)), dim=1)
+    weights = norm_weights([block.attn_norm, block.mlp_norm], group)
+    return torch.cat(interleave(_block(block, a, cos, sin, group, weights),
+                                _block(block, b, cos, sin, group, weights)), dim=1)
 
 
 class TransformerInHalves(Transformer):
@@ -139,4 +163,7 @@ class TransformerInHalves(Transformer):
         if group_size(self.tp_group) == 1:
             return super().sharded_logits(ids)
         a, b = split_batch_in_halves(ids)
-        return torch.cat(interleave(_half(self, a), _half(self, b)), dim=1)  # [s', b, V/p]
+        norms = [n for block in self.layers for n in (block.attn_norm, block.mlp_norm)]
+        weights = norm_weights(norms + [self.norm], self.tp_group)
+        return torch.cat(interleave(_half(self, a, weights), _half(self, b, weights)),
+                         dim=1)  # [s', b, V/p]
