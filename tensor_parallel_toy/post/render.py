@@ -2,7 +2,8 @@
 
 `blog/src/<post>.md` is the text a writer edits. Every measured or derived number in it is a
 placeholder: `{{src:path|format}}` names an entry of one of the committed profile runs
-(SOURCES: `blog/results/`, `blog/link/`, `blog/llama/`, `blog/2d/`, `blog/wire/`, `blog/decode/`), `{{name}}` a value that
+(SOURCES: `blog/results/`, `blog/link/`, `blog/llama/`, `blog/2d/`, `blog/wire/`, `blog/decode/`,
+`blog/halves/`), `{{name}}` a value that
 `derived` computes from them or from the package's formulas (`memory_model.py`). `python -m tensor_parallel_toy blog` writes `blog/<post>.md` from them.
 The tests check that the committed posts equal a fresh rendering, and that a template holds no
 hand-typed measurement (`hand_typed_numbers`): a number copied into prose by hand would stay
@@ -30,6 +31,9 @@ SOURCES = {  # placeholder prefix: the committed results file it reads, relative
     "wire4": "wire/results_model_1gbit_m4.json",  # the same, the rings in four pieces
     "decode": "decode/decode.json",           # generation's cost per token (run/decode.py)
     "decodelink": "decode/link_1gbit/decode.json",  # the same over an emulated 1 Gbit/s link
+    "halves": "halves/results_model_1gbit.json",  # tp_halves on a MODELED 1 Gbit/s wire
+    "halvesveth": "halves/results_veth_1gbit.json",  # the same over the emulated 1 Gbit/s link
+    "halvesloop": "halves/results_loopback.json",  # the default run, loopback
 }
 _PLACEHOLDER = re.compile(r"\{\{\s*(?:([a-z0-9]+):)?([^|}]+?)\s*(?:\|\s*([^}]+?)\s*)?\}\}")
 
