@@ -89,7 +89,17 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
     assert "tp_no_sp (classic TP without sequence parallelism" in summary
     assert "per block of 5 rounds, 3 blocks" in summary and "3 recordings per mode" in summary
     assert len(saved["targets"]) == 4
-    assert "\ntargets (met: " in summary and summary.count("  legend: ") == 4, summary
+    assert "\ntargets (met: " in summary and summary.count("  legend: ") == 5, summary
+    # Where the modes land: tp's block split into waiting and the rest, the two bounds from it.
+    land, tl_tp = saved["landing"], saved["timeline"]["summary"]["tp"]["over_recordings"]
+    assert land["total_ms"] == tl_tp["total_ms"]["median"], land
+    assert land["comm_ms"] == tl_tp["blocked_in_comm_ms"]["median"], land
+    assert land["limit"] == pytest.approx(max(land["comm_ms"], land["compute_ms"])
+                                          / land["total_ms"]), land
+    assert land["limit"] <= land["ring_ceiling"] <= 1.0, land
+    for mode in ("tp_overlap", "tp_halves"):
+        assert land["modes"][mode]["step"] == saved["ratios"][f"{mode}/tp"], mode
+    assert "where the modes land against tp" in summary, summary
     for name, r in saved["ratios"].items():  # every pair, paired over the same timed steps
         a, b = name.split("/")
         assert r["n"] == 3 and r["ci95"][0] <= r["ratio"] <= r["ci95"][1], (name, r)
@@ -339,7 +349,9 @@ def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_sam
     assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
     assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
     assert "memory_tp_no_sp" not in results, list(results)  # SwiGLU: not two nn.Linear
-    assert list(results["modes"]) == ["baseline", "tp", "tp_overlap", "tp_halves", "hf_dtensor"]
+    # tp_halves: 1-D only, left out of the default modes with --dp 2 (cli._check_halves).
+    assert list(results["modes"]) == ["baseline", "tp", "tp_overlap"] + (
+        ["tp_halves"] if dp == 1 else []) + ["hf_dtensor"], list(results["modes"])
     for mode, d in results["modes"].items():
         if mode != "baseline":
             assert max(d["loss_rel_err_vs_baseline"]) <= 1e-4, (mode, d["loss_rel_err_vs_baseline"])
