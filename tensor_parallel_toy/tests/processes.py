@@ -93,6 +93,9 @@ class Background:
                 return line
             time.sleep(0.1)
 
+    def pid(self, name):
+        return self.procs[name][0].pid
+
     def kill(self, name):
         proc = self.procs[name][0]
         proc.kill()

@@ -136,7 +136,8 @@ class _Events(TorchDispatchMode):
 
 
 def _on_rank_order():
-    """The events of one block's forward and of its backward, in halves, on a batch of 4."""
+    """The events of one block's forward and of its backward, in halves, on a batch of 4, and
+    its output and every gradient against the whole block's."""
     group, p, _ = world()
     block = TransformerBlock(CONFIG, group)
     draw_full_weights_(block, group, seed=1)
@@ -150,9 +151,15 @@ def _on_rank_order():
     backward.count = 100  # the backward's transfers numbered apart
     with recording(backward), backward:
         y.backward(dy)
-    whole = block(x.detach(), cos, sin)
-    return {"forward": forward.events, "backward": backward.events,
-            "error": max_rel_error(y, whole)}
+    halves = {"x": x.grad, **{n: p.grad.clone() for n, p in block.named_parameters()}}
+    block.zero_grad()
+    x_whole = x.detach().clone().requires_grad_()
+    whole = block(x_whole, cos, sin)
+    whole.backward(dy)
+    grads = {"x": x_whole.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    errors = {"output": max_rel_error(y, whole),
+              **{"grad:" + k: max_rel_error(g, grads[k]) for k, g in halves.items()}}
+    return {"forward": forward.events, "backward": backward.events, "errors": errors}
 
 
 def _on_rank_refusals():
@@ -239,7 +246,7 @@ def test_the_schedule_hides_every_transfer_under_a_gemm_and_the_backward_mirrors
         # small blocking all-reduces in the backward, as in the reading path).
         forward, backward = ([e for e in rank[k] if e[0] == "gemm" or e[1] in SPLIT_PHASE]
                              for k in ("forward", "backward"))
-        assert rank["error"] < FP32_TOL, rank["error"]
+        assert_errors([rank["errors"]], FP32_TOL, "one block in halves against the whole block")
         transfers = [e for e in forward if e[0] == "post"]
         assert len(transfers) == 8, f"one block in halves posts 8 transfers: {transfers}"
         for name, events in (("forward", forward), ("backward", backward)):

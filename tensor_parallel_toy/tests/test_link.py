@@ -6,6 +6,7 @@ that no namespace of ours is left, whatever happened.
 """
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -46,16 +47,15 @@ def _wait_for(condition, timeout_s, what):
         time.sleep(0.05)
 
 
-def test_a_bad_rate_as_a_real_command_is_one_line_and_exit_status_2(tmp_path):
-    before = link.our_namespaces()
-    proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy", "profile", "--link",
-                           "4gb", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
-    err = proc.stderr.strip()
-    assert proc.returncode == 2, (proc.returncode, err)
+@pytest.mark.background("bad rate")
+def test_a_bad_rate_as_a_real_command_is_one_line_and_exit_status_2(background):
+    pid = background.pid("bad rate")
+    code, _, err = background.result("bad rate", timeout=120)
+    err = err.strip()
+    assert code == 2, (code, err)
     assert "\n" not in err and "Traceback" not in err, err
     assert "--link '4gb'" in err and "4gbit" in err, err
-    assert link.our_namespaces() == before, "a bad flag built something"
+    assert not _namespaces_of(pid), "a bad flag built something"
 
 
 @pytest.mark.parametrize("value", ["4gbit:5ms", "0gbit", "fast", "4 gbit/s", "4Gbps"])
@@ -126,16 +126,40 @@ def test_link_flag_is_removed_in_every_form_argparse_accepts():
             (given, argv)
 
 
+def _link_command(out, *argv):
+    """`python -m ARGV --out FOLDER/OUT`, a real command over the link, run beside the
+    in-process tests (conftest.py): mostly waiting for the shaped wire. Where no link can be
+    made, a command that does nothing (its test skips)."""
+    def start(folder):
+        if NO_LINK is not None:
+            return dict(argv=[sys.executable, "-c", "pass"])
+        return dict(argv=[sys.executable, "-m", *argv, "--out", os.path.join(folder, out)])
+    return start
+
+
+BACKGROUND = {
+    "bad rate": lambda folder: dict(argv=[sys.executable, "-m", "tensor_parallel_toy", "profile",
+                                          "--link", "4gb", "--out", folder]),
+    "profile over the link": _link_command("link-profile", "tensor_parallel_toy", "profile",
+                                           *TINY, "--link", "4gbit"),
+    "decode over the link": _link_command(
+        "link-decode", "tensor_parallel_toy.profiling.run.decode", "--hidden", "64", "--layers",
+        "1", "--batches", "1", "--tokens", "3", "--repeats", "1", "--prompt", "4", "--link",
+        "1gbit"),
+}
+
+
 @needs_link
-def test_two_ranks_over_the_link_train_exactly_as_over_loopback(pools, tmp_path, capfd):
+@pytest.mark.background("profile over the link")
+def test_two_ranks_over_the_link_train_exactly_as_over_loopback(pools, tmp_path, background):
     """Same flags, same losses to the last bit: the link changes the timing, not the numbers.
     The link run is the real command (namespaces, tbf, one torchrun-style rank per namespace);
     the loopback run is the local pool."""
-    out = tmp_path / "link"
-    code = profile.main([*TINY, "--link", "4gbit", "--out", str(out)])
-    printed = capfd.readouterr()
-    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
-    assert not _namespaces_of(os.getpid()), "namespaces left after a successful run"
+    pid = background.pid("profile over the link")
+    code, stdout, stderr = background.result("profile over the link", timeout=180)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = pathlib.Path(background.folder) / "link-profile"
+    assert not _namespaces_of(pid), "namespaces left after a successful run"
     saved = json.loads((out / "results.json").read_text())
     meta = saved["meta"]
     assert meta["link"]["rate"] == "4gbit" and meta["link"]["topology"] == "veth pair", meta
@@ -254,19 +278,17 @@ def test_a_bad_rate_in_a_sweep_is_named(value, words, tmp_path):
 
 
 @needs_link
-def test_the_decode_measurement_runs_over_the_link_one_rank_per_namespace(tmp_path):
+@pytest.mark.background("decode over the link")
+def test_the_decode_measurement_runs_over_the_link_one_rank_per_namespace(background):
     """`profiling/run/decode.py --link`: the real command, each rank the torchrun path of it in
     its namespace; rank 0 writes the summary, which names the link, and nothing is left."""
-    out = tmp_path / "decode"
-    before = link.our_namespaces()
-    proc = subprocess.run([sys.executable, "-m", "tensor_parallel_toy.profiling.run.decode",
-                           "--hidden", "64", "--layers", "1", "--batches", "1", "--tokens", "3",
-                           "--repeats", "1", "--prompt", "4", "--link", "1gbit", "--out",
-                           str(out)], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pid = background.pid("decode over the link")
+    code, stdout, stderr = background.result("decode over the link", timeout=180)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    out = pathlib.Path(background.folder) / "link-decode"
     results = json.loads((out / "decode.json").read_text())
     assert results["link"]["rate"] == "1gbit" and results["link"]["measured_bits_per_s"] > 0
     assert results["modes"]["tp/b1"]["transfers_per_token"] == 1 + 2 * 1 + 2, results["modes"]
     summary = (out / "summary.txt").read_text()
-    assert "over a shaped veth link of 1gbit" in summary and proc.stdout.count(summary) == 1
-    assert link.our_namespaces() == before, "namespaces left after the run"
+    assert "over a shaped veth link of 1gbit" in summary and stdout.count(summary) == 1
+    assert not _namespaces_of(pid), "namespaces left after the run"
