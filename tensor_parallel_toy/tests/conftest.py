@@ -8,8 +8,9 @@ it) is replaced on next use; a pool that could not start is not tried again (`pr
 
 A test marked `@pytest.mark.background(name, ...)` runs whole commands as a reader would (a
 fresh Python, its own ranks): each command, `BACKGROUND[name](folder)` in the test's module,
-starts with the session, beside the other tests, and the test reads its result from the
-`background` fixture (`processes.Background`).
+is queued with the session and runs beside the other tests, two at a time in the tests' order
+(or at once when its test asks for it), and the test reads its result from the `background`
+fixture (`processes.Background`).
 """
 import pytest
 

@@ -3,6 +3,7 @@ runs them, in the background from the session's start (conftest.py holds the fix
 """
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -67,24 +68,57 @@ def process_gone(pid):
 
 class Background:
     """Commands that run the package as a reader runs it (a fresh Python, a torch import, ranks
-    of their own: seconds each, mostly spent waiting), started together when the session starts
-    and run beside the in-process tests; the test that owns one waits for its result. Only the
-    commands of the tests selected in this run start (conftest.py)."""
+    of their own: seconds each, mostly spent waiting), run beside the in-process tests from the
+    session's start; the test that owns one waits for its result. Only the commands of the
+    tests selected in this run start (conftest.py).
 
-    def __init__(self, folder):
-        self.folder, self.procs = folder, {}
+    At most `at_once` run at a time, in the order queued (the tests' order), and a command a
+    test asks for starts at once: a dozen torch imports started together would take both cores
+    from the in-process tests for half a minute, and leave them idle later."""
+
+    def __init__(self, folder, at_once=2):
+        self.folder, self.procs, self.queued, self.at_once = folder, {}, [], at_once
+        self.lock, self.closed = threading.Lock(), False
+        threading.Thread(target=self._feed, daemon=True).start()
 
     def start(self, name, argv, cwd=ROOT, env=None):
-        """Start `argv` in `cwd` (default: the repository's root, where `python -m
+        """Queue `argv`, to run in `cwd` (default: the repository's root, where `python -m
         tensor_parallel_toy` finds the package without an install)."""
+        with self.lock:
+            self.queued.append((name, dict(argv=argv, cwd=cwd, env=env)))
+
+    def _launch(self, name, argv, cwd, env):
         out, err = (open(os.path.join(self.folder, f"{name}.{kind}"), "w+")
                     for kind in ("out", "err"))
         self.procs[name] = (subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err,
                                              text=True), out, err)
 
+    def _feed(self):
+        """Start the next queued commands whenever fewer than `at_once` run."""
+        while not self.closed:
+            with self.lock:
+                running = sum(p.poll() is None for p, _, _ in self.procs.values())
+                while self.queued and running < self.at_once and not self.closed:
+                    self._launch(*self.queued[0][:1], **self.queued.pop(0)[1])
+                    running += 1
+            time.sleep(0.05)
+
+    def _started(self, name):
+        """The command `name`, started now if it is still queued."""
+        with self.lock:
+            for i, (queued, kwargs) in enumerate(self.queued):
+                if queued == name:
+                    self.queued.pop(i)
+                    self._launch(name, **kwargs)
+                    break
+            return self.procs[name]
+
+    def pid(self, name):
+        return self._started(name)[0].pid
+
     def first_line(self, name, timeout=120):
         """The first line the command `name` printed, once it has (the command still runs)."""
-        proc, out, _ = self.procs[name]
+        proc, out, _ = self._started(name)
         deadline = time.monotonic() + timeout
         while True:
             with open(out.name) as f:
@@ -93,17 +127,14 @@ class Background:
                 return line
             time.sleep(0.1)
 
-    def pid(self, name):
-        return self.procs[name][0].pid
-
     def kill(self, name):
-        proc = self.procs[name][0]
+        proc = self._started(name)[0]
         proc.kill()
         proc.wait()
 
     def result(self, name, timeout=300):
         """(exit status, stdout, stderr) of the command started as `name`."""
-        proc, out, err = self.procs[name]
+        proc, out, err = self._started(name)
         try:
             proc.wait(timeout=timeout)
         finally:
@@ -112,6 +143,8 @@ class Background:
         return proc.returncode, out.read(), err.read()
 
     def close(self):
+        with self.lock:
+            self.closed = True
         for proc, out, err in self.procs.values():
             proc.kill()
             proc.wait()
