@@ -73,11 +73,10 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_passed_on):
-        kept, output, work = ctx.posted.grad
+        _input_kept_alive, output, work = ctx.posted.grad
         if work is not None:
             work.wait()
-        ctx.posted.grad = None
-        del kept
+        ctx.posted.grad = None  # the conjugate's input may go now
         return output, None
 
 

@@ -231,18 +231,27 @@ def test_excerpt_checker_catches_drift(tmp_path, post, expected):
         assert len(problems) == 1 and expected in problems[0], problems
 
 
+def _committed_runs():
+    """(results.json, its summary.txt) of the committed profile runs whose summaries are kept
+    as the report writes them: blog/results, llama, 2d, and blog/halves' results_X/summary_X."""
+    runs = [(os.path.join(BLOG, folder, "results.json"), os.path.join(BLOG, folder, "summary.txt"))
+            for folder in ("results", "llama", "2d")]
+    halves = os.path.join(BLOG, "halves")
+    runs += [(os.path.join(halves, name), os.path.join(halves, "summary_" + name[8:-5] + ".txt"))
+             for name in sorted(os.listdir(halves)) if name.startswith("results_")]
+    return [(r, s) for r, s in runs if os.path.isfile(r) or r.endswith("results/results.json")]
+
+
 def test_summary_txt_is_the_committed_results_json():
     import json
 
     from tensor_parallel_toy.profiling.report import report
 
-    for folder in ("results", "llama", "2d"):
-        path = os.path.join(BLOG, folder, "results.json")
-        if folder == "results" or os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                results = json.load(f)
-            with open(os.path.join(BLOG, folder, "summary.txt"), encoding="utf-8") as f:
-                assert f.read() == report.summary_text(results), f"{folder}/summary.txt"
+    for path, summary in _committed_runs():
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+        with open(summary, encoding="utf-8") as f:
+            assert f.read() == report.summary_text(results), summary
 
 
 def test_targets_in_results_json_are_what_their_numbers_give_today():
@@ -252,13 +261,11 @@ def test_targets_in_results_json_are_what_their_numbers_give_today():
 
     from tensor_parallel_toy.profiling.report import report
 
-    for folder in ("results", "llama", "2d"):
-        path = os.path.join(BLOG, folder, "results.json")
-        if folder == "results" or os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                results = json.load(f)
-            for stored, fresh in zip(results["targets"], report.evaluate_targets(results)):
-                assert stored == fresh, f"{folder}/results.json: {stored} != {fresh}"
+    for path, _ in _committed_runs():
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+        for stored, fresh in zip(results["targets"], report.evaluate_targets(results)):
+            assert stored == fresh, f"{path}: {stored} != {fresh}"
 
 
 @pytest.mark.parametrize("s, b, h, n, p", [(4096, 1, 8192, 28672, 8), (2048, 4, 4096, 14336, 4),

@@ -30,6 +30,19 @@ def block_budget(timeline):
             "limit": max(comm, compute) / total, "ring_ceiling": (total - min(comm, gemm)) / total}
 
 
+def passes(spans):
+    """One rank's recording of a block -> {"forward", "backward": {"wait_ms", "compute_ms"}}:
+    the time blocked in waits and the rest, on each side of the forward's end."""
+    end = max(s["end"] for s in spans if s["kind"] == "end")
+    turn = next(s["start"] for s in spans if s["kind"] == "forward_end")
+    out = {}
+    for name, (a, b) in (("forward", (0.0, turn)), ("backward", (turn, end))):
+        wait = sum(s["end"] - s["start"] for s in spans
+                   if s["kind"] == "wait" and a <= s["start"] < b)
+        out[name] = {"wait_ms": wait, "compute_ms": (b - a) - wait}
+    return out
+
+
 def landing(results):
     """results.json's `landing`: the block's budget and, per mode, its step and block ratio to
     tp and the share of the way from tp to the limit; None without a timeline."""
@@ -45,7 +58,9 @@ def landing(results):
         block = summary.get(mode, {}).get("over_recordings", {}).get("total_ms", {})
         modes[mode] = {"step": step, "block": block["median"] / tp_block if block else None,
                        "of_the_way": (1 - step["ratio"]) / (1 - budget["limit"])}
-    return {**budget, "modes": modes}
+    tp_spans = results["timeline"].get("spans", {}).get("tp")
+    split = passes(tp_spans[0]) if tp_spans else None  # rank 0's drawn recording
+    return {**budget, "modes": modes, **({"tp_passes": split} if split else {})}
 
 
 def landing_lines(land):

@@ -233,9 +233,17 @@ def _halves_why(results, gpu):
     land = results.get("landing") or {}
     if "limit" not in land:
         return None
-    return (f"the limit of any schedule of tp's transfers is {land['limit']:.2f} x tp "
-            f"(max(comm, compute) / (comm + compute) of tp's block: "
-            f"{land['comm_ms']:.1f} ms waiting, {land['compute_ms']:.1f} ms computing)")
+    why = (f"the limit of any schedule of tp's transfers is {land['limit']:.2f} x tp "
+           f"(max(comm, compute) / (comm + compute) of tp's block: "
+           f"{land['comm_ms']:.1f} ms waiting, {land['compute_ms']:.1f} ms computing)")
+    if "tp_passes" in land:  # the forward carries half the transfers and a third of the compute
+        f, b = land["tp_passes"]["forward"], land["tp_passes"]["backward"]
+        why += (f"; tp's block waits {f['wait_ms']:.1f} ms for transfers in the forward against "
+                f"{f['compute_ms']:.1f} ms of compute there ({b['wait_ms']:.1f} against "
+                f"{b['compute_ms']:.1f} in the backward): where the forward's transfers take as "
+                f"long as its compute, the other half has too little to hide them under; and "
+                f"each pass's first and last transfers have no other half beside them")
+    return why
 
 
 def _overlap_vs_dtensor_target(results):
