@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import all_reduce_, group_rank, group_size
+from ..model import Transformer
 from ..support.sharding import record_layouts
 
 
@@ -68,6 +69,13 @@ def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
     `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`: compute in
     bf16, keep fp32 parameters and reduce the gradients in fp32.
     """
+    if getattr(type(model), "sharded_logits", Transformer.sharded_logits) \
+            is not Transformer.sharded_logits:
+        # FSDP2 gathers a block's weights in hooks around the block's forward; a model that
+        # runs its blocks' layers without calling it (halves/) would compute on the shards.
+        raise ValueError(f"apply_fsdp({type(model).__name__}): it runs its blocks without "
+                         f"calling their forward, where FSDP2 gathers their weights; use "
+                         f"Transformer (or DDP, apply_ddp)")
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     record_layouts(model)  # fully_shard replaces the Parameters and drops their marks

@@ -14,6 +14,7 @@ from tensor_parallel_toy import ModelConfig, Transformer
 from tensor_parallel_toy.comm import all_gather_seq, reduce_scatter_seq
 from tensor_parallel_toy.halves import (TransformerInHalves, block_in_halves,
                                         post_all_gather_seq, post_reduce_scatter_seq)
+from tensor_parallel_toy.interop.data_parallel import apply_fsdp
 from tensor_parallel_toy.launcher.initialize import current_device
 from tensor_parallel_toy.model import TransformerBlock, draw_full_weights_
 from tensor_parallel_toy.profiling.measure.timeline import GEMM_OPS
@@ -169,7 +170,8 @@ def _on_rank_refusals():
     ids = torch.zeros(1, 12, dtype=torch.long)
     for name, call in {"batch of 1": lambda: model(ids, ids),
                        "overlap": lambda: TransformerInHalves(CONFIG, group, overlap=True),
-                       "no group": lambda: TransformerInHalves(CONFIG, None)}.items():
+                       "no group": lambda: TransformerInHalves(CONFIG, None),
+                       "fsdp": lambda: apply_fsdp(model, {"dp": None})}.items():
         try:
             call()
         except ValueError as e:
@@ -264,8 +266,10 @@ def test_the_schedule_hides_every_transfer_under_a_gemm_and_the_backward_mirrors
         assert _transfers(backward) == _transfers(_mirrored(forward)), (forward, backward)
 
 
-def test_two_halves_refuse_a_batch_of_one_overlap_and_no_group(pools):
+def test_two_halves_refuse_a_batch_of_one_overlap_no_group_and_fsdp(pools):
     messages = pools(2).run(_on_rank_refusals)[0]
     assert_one_line(messages.get("batch of 1"), ["batch of 1", "at least 2"], "batch of 1")
     assert_one_line(messages.get("overlap"), ["overlap=True", "overlap=False"], "overlap")
     assert_one_line(messages.get("no group"), ["tp_group=None"], "no group")
+    assert_one_line(messages.get("fsdp"), ["apply_fsdp(TransformerInHalves)", "Transformer"],
+                    "FSDP2 over the halves")
