@@ -75,7 +75,7 @@ def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
         # runs its blocks' layers without calling it (halves/) would compute on the shards.
         raise ValueError(f"apply_fsdp({type(model).__name__}): it runs its blocks without "
                          f"calling their forward, where FSDP2 gathers their weights; use "
-                         f"Transformer (or DDP, apply_ddp)")
+                         f"Transformer")
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
     record_layouts(model)  # fully_shard replaces the Parameters and drops their marks
