@@ -12,7 +12,9 @@ collective whole, it posts the split-phase collective (split_phase.py), yields, 
 it when resumed; it also yields once inside attention (after the qkv GEMM) and once inside the
 MLP (after fc1), so that the turns are of similar length. `interleave` resumes the two halves
 in turn, the second one turn behind the first, so that every transfer of one half is on the
-wire while the other half computes. One block, forward (A, B the halves; AG, RS the sequence
+wire while the other half computes. (Plain alternation, A, B, A, B, would put each of B's
+turns beside a transfer A has not posted yet: A posts at the end of its turn, and waits for it
+at the start of its next one, with only B's same turn between.) One block, forward (A, B the halves; AG, RS the sequence
 all-gather and reduce-scatter; one line per turn, what is on the wire meanwhile on the right):
 
     A: norm, post AG(A)
@@ -39,8 +41,8 @@ memory, one transfer fewer per column layer's backward.
 
 A batch of b rows runs as halves of ceil(b/2) and floor(b/2) rows (an odd batch splits
 unevenly); a batch of one row cannot be split into independent halves (the sequence could not:
-its second half attends to the first) and is refused. Layers built with `overlap=True` are
-refused too: their rings would put whole, blocking transfers inside the halves' turns.
+its second half attends to the first) and is refused. `overlap=True` is refused too: the
+halves call the layers' weights, not their forward, so the rings would never run.
 """
 import torch
 
@@ -76,23 +78,23 @@ def _gather(x, group):
     return posted.wait()
 
 
-def _scatter(y, group, bias=None):
-    """`[s, b, h]` partial sums -> this rank's rows of their sum `[s/p, b, h]`, plus the row
-    layer's replicated bias (through `f`: each rank adds it to its own rows only)."""
+def _scatter(y, group):
+    """`[s, b, h]` partial sums -> this rank's rows of their sum `[s/p, b, h]` (the
+    Transformer's row layers have no bias), the other half running meanwhile."""
     posted = post_reduce_scatter_seq(y, group)
     yield
-    y = posted.wait()
-    return y if bias is None else y + copy_to_tensor_parallel_region(bias, group)
+    return posted.wait()
 
 
 def norm_weights(norms, group):
     """The residual stream's norms' weights, all through one `f`, once for both halves: their
-    gradients, both halves' summed, are all-reduced together in one call, and last, since
-    autograd runs the nodes created first at the end. Through `f` per norm and half (as a
-    norm's own forward would), the backward would hold a blocking all-reduce per norm and
-    half, each waiting for the other half's transfer still on the wire (measured on the
-    modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting). The norms of attention's
-    heads (q/k norms) still take theirs per half."""
+    gradients, both halves' summed, are all-reduced together in one call, at the backward's
+    end (the `f` node needs every norm's gradient from both halves first). Through `f` per
+    norm and half (as a norm's own forward would), the backward would hold a blocking
+    all-reduce per norm and half, each waiting for the other half's transfer still on the
+    wire (measured on the modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting). Still
+    summed per half, with that cost: the q/k norms inside attention's heads, and the k/v rows
+    several ranks hold (`copy_to_row_holders`, in `column_gemm`)."""
     weights = copy_to_tensor_parallel_region(torch.cat([n.weight for n in norms]), group)
     return dict(zip(norms, weights.split([n.weight.numel() for n in norms])))
 
@@ -109,12 +111,12 @@ def _block(block, x, cos, sin, group, weights):
     qkv = column_gemm(attn.qkv, gathered)  # [s, b', qkv rows]
     yield
     heads = attn.attend(qkv, cos, sin)  # [s, b', nh*hd/p]
-    x = x + (yield from _scatter(row_gemm(attn.proj, heads), group, attn.proj.bias))
+    x = x + (yield from _scatter(row_gemm(attn.proj, heads), group))
     first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
     gathered = yield from _gather(_norm(block.mlp_norm, x, weights), group)
     y = between_mlp_layers(mlp, column_gemm(first, gathered))  # [s, b', m/p]
     yield
-    return x + (yield from _scatter(row_gemm(second, y), group, second.bias))
+    return x + (yield from _scatter(row_gemm(second, y), group))
 
 
 def _half(model, ids, weights):
@@ -132,9 +134,9 @@ def split_batch_in_halves(t, dim=1):
     error naming the batch."""
     b = t.shape[dim]
     if b < 2:
-        raise ValueError(f"batch of {b} row(s): two halves of the batch need at least 2 rows "
-                         f"(an odd batch splits unevenly); for a single sequence use "
-                         f"overlap=True (the rings) or the plain layers")
+        raise ValueError(f"batch of {b} row(s): two halves of the batch need at least 2 rows; "
+                         f"for a single sequence use Transformer(config, tp_group, "
+                         f"overlap=True) (the rings) or Transformer's plain layers")
     return t.split([(b + 1) // 2, b // 2], dim=dim)
 
 
@@ -155,8 +157,8 @@ class TransformerInHalves(Transformer):
     def __init__(self, config, tp_group, overlap=False, **kwargs):
         if tp_group is None or overlap:
             raise ValueError(f"TransformerInHalves(tp_group={tp_group}, overlap={overlap}): "
-                             f"it needs a TP group, and schedules the plain layers' transfers "
-                             f"itself (overlap=False)")
+                             f"it needs a TP group, and places the transfers itself "
+                             f"(overlap=False: it calls the layers' weights, not their forward)")
         super().__init__(config, tp_group, False, **kwargs)
 
     def sharded_logits(self, ids):

@@ -1,32 +1,37 @@
 """The sequence all-gather and reduce-scatter in two phases: a node that posts, a node that waits.
 
-The reading path's transitions (comm.py, parallel_linear.py) call each collective whole: the
-host posts it and waits for it in one breath, so nothing runs beside it. Here each transition is
-two autograd Functions sharing one `Posted` handle:
+In the reading path's forward (comm.py, parallel_linear.py) each transition calls its
+collective whole: the host posts it and waits for it in one breath, so nothing runs beside it.
+Here each transition is two autograd Functions sharing one `Posted` handle:
 
-    posted = post_all_gather_seq(x_local, group)   # _PostAllGather: starts the transfer
+    posted = post_all_gather_seq(x_local, group)   # _Post: starts the transfer
     ...                                              # any work that does not need its result
-    x_full = posted.wait()                           # _WaitAllGather: waits, returns it
+    x_full = posted.wait()                           # _Wait: waits, returns it
 
     x_local [s/p, ...] -> x_full [s, ...]    (post_reduce_scatter_seq: [s, ...] partial sums
                                               -> [s/p, ...], rows r*s/p:(r+1)*s/p summed)
 
 and each backward is the forward's conjugate, split the same way, in mirror order. The wait
 node's backward *posts* the conjugate (a reduce-scatter for the gather, an all-gather for the
-scatter) and hands its input on; the post node's backward *waits* for it and returns the
-result. Autograd runs the nodes of independent chains in the reverse order of their creation
-(checked on CPU, torch 2.13: the engine takes, among the nodes that are ready, the one created
-last), so whatever ran between the post and the wait in the forward runs, backwards, between
-the backward's post and its wait: the forward's overlap schedule, mirrored, for free.
+scatter); the post node's backward *waits* for it and returns the result. Autograd runs the
+nodes of independent chains in the reverse order of their creation (checked on CPU, torch 2.13:
+the engine takes, among the nodes that are ready, the one created last), so whatever ran
+between the post and the wait in the forward runs, backwards, between the backward's post and
+its wait: the forward's overlap schedule, mirrored, for free.
 
     forward:   post(A)  compute(B)  wait(A)
     backward:  post(A') compute(B)' wait(A')      (A' = A's conjugate, in the order autograd
                                                    runs them: wait(A).backward first)
 
+Correctness does not rest on that order, only the overlap does: the edge from the post node to
+the wait node makes the wait node's backward run first, and every rank builds the same graph,
+so every rank posts the same collectives in the same order.
+
 The tensor that passes from the post node to the wait node is the transfer's output buffer,
-not yet filled: only the wait node's output may be read. Buffers stay referenced by the
-handle and by autograd until their wait, so they cannot be freed under a running transfer
-(on NCCL the process group also keeps them for its stream; read, not run).
+not yet filled: only the wait node's output may be read. The handle keeps the transfer's input
+until the wait (the backward's likewise), so nothing frees a buffer under a running transfer;
+it keeps nothing after it (on NCCL the process group also holds them for its stream; read, not
+run).
 """
 import torch
 
@@ -39,9 +44,9 @@ class Posted:
 
     def __init__(self, kind, group):
         self.kind, self.group = kind, group
-        self.output = self.work = None  # the forward's transfer: its buffer and handle
-        self.grad = None  # the backward's: (input kept alive, output buffer, handle)
-        self.tensor = None  # the post node's output, the wait node's input
+        self.sent = self.work = None  # the forward's transfer: its input, its handle
+        self.grad = None  # the backward's: (its input, its output buffer, its handle)
+        self.tensor = None  # the post node's output (the buffer), the wait node's input
 
     def wait(self):
         """Wait for the transfer (the wait node): its result, through autograd."""
@@ -52,9 +57,11 @@ class Posted:
 
 
 def _start(kind, x, group):
-    """Post `kind` ("all-gather" or "reduce-scatter" along dim 0); (output buffer, work)."""
+    """Post `kind` ("all-gather" or "reduce-scatter" along dim 0): (its input, its output
+    buffer, its handle or None)."""
     collective = all_gather_seq if kind == "all-gather" else reduce_scatter_seq
-    return collective(x.contiguous(), group, async_op=True)
+    x = x.contiguous()
+    return (x, *collective(x, group, async_op=True))
 
 
 CONJUGATE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather"}
@@ -66,14 +73,15 @@ class _Post(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, posted):
-        posted.output, posted.work = _start(posted.kind, x, posted.group)
+        posted.sent, output, posted.work = _start(posted.kind, x, posted.group)
         ctx.posted = posted
         # A group of one rank returns x itself, which a Function must hand on as a view.
-        return x.view_as(x) if posted.output is x else posted.output
+        return x.view_as(x) if output is x else output
 
     @staticmethod
-    def backward(ctx, _grad_passed_on):
-        _input_kept_alive, output, work = ctx.posted.grad
+    def backward(ctx, _token):
+        # _token: what the wait node's backward handed on, only so that this node runs.
+        _sent, output, work = ctx.posted.grad
         if work is not None:
             work.wait()
         ctx.posted.grad = None  # the conjugate's input may go now
@@ -82,23 +90,21 @@ class _Post(torch.autograd.Function):
 
 class _Wait(torch.autograd.Function):
     """forward: wait for the transfer, return its output; backward: post the conjugate of the
-    incoming gradient, pass the gradient on (the post node's backward waits for it)."""
+    incoming gradient, hand the gradient on (the post node's backward waits for it)."""
 
     @staticmethod
     def forward(ctx, buffer, posted):
         if posted.work is not None:
             posted.work.wait()
-        posted.work = None
+        posted.sent = posted.work = None
         ctx.posted = posted
         return buffer.view_as(buffer)
 
     @staticmethod
     def backward(ctx, grad):
         posted = ctx.posted
-        grad = grad.contiguous()
-        output, work = _start(CONJUGATE[posted.kind], grad, posted.group)
-        posted.grad = (grad, output, work)
-        return grad, None
+        posted.grad = _start(CONJUGATE[posted.kind], grad, posted.group)
+        return posted.grad[0], None  # a token: the post node's one input gradient
 
 
 def _post(kind, x, group):

@@ -163,6 +163,28 @@ def _on_rank_order():
     return {"forward": forward.events, "backward": backward.events, "errors": errors}
 
 
+def _on_rank_handles_alive():
+    """Posted handles still alive after steps of the model, with Python's cycle collector off:
+    a handle in a reference cycle would keep its buffers, and the graph before it, alive until
+    the collector happens to run."""
+    import gc
+
+    from tensor_parallel_toy.halves.split_phase import Posted
+    group, _, _ = world()
+    model = TransformerInHalves(CONFIG, group, seed=0)
+    ids = torch.randint(0, CONFIG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            model(ids, ids).backward()
+        forward_only = model(ids, ids)  # evaluation under grad, never backpropagated
+        del forward_only
+        return sum(isinstance(o, Posted) for o in gc.get_objects())
+    finally:
+        gc.enable()
+
+
 def _on_rank_refusals():
     group, _, _ = world()
     messages = {}
@@ -252,9 +274,9 @@ def test_the_schedule_hides_every_transfer_under_a_gemm_and_the_backward_mirrors
         transfers = [e for e in forward if e[0] == "post"]
         assert len(transfers) == 8, f"one block in halves posts 8 transfers: {transfers}"
         for name, events in (("forward", forward), ("backward", backward)):
-            # A pipeline's fill and drain: the first half's first transfer has only the other
-            # half's norm beside it, the second half's last one nothing; every other transfer
-            # is in flight while a GEMM runs.
+            # A pipeline's fill and drain: the first half's first transfer and the second
+            # half's last have nothing beside them; every other transfer is in flight while a
+            # GEMM runs.
             posts = [e[2] for e in events if e[0] == "post"]
             waits = [e[2] for e in events if e[0] == "wait"]
             lonely = {n for n, c in _gemms_while_in_flight(events).items() if c == 0}
@@ -264,6 +286,11 @@ def test_the_schedule_hides_every_transfer_under_a_gemm_and_the_backward_mirrors
         # The backward's transfers are the forward's, mirrored: reversed, post <-> wait,
         # each collective its conjugate.
         assert _transfers(backward) == _transfers(_mirrored(forward)), (forward, backward)
+
+
+def test_no_transfer_handle_outlives_its_step(pools):
+    alive = pools(2).run(_on_rank_handles_alive)
+    assert alive == [0, 0], f"Posted handles alive after the steps, per rank: {alive}"
 
 
 def test_two_halves_refuse_a_batch_of_one_overlap_no_group_and_fsdp(pools):
