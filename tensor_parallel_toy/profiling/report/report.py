@@ -9,7 +9,7 @@ import json
 import os
 
 from ..measure.metrics import MiB, ratio_interval, summarize
-from .landing import landing_lines
+from .landing import block_budget, landing_lines
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets.json"),
           encoding="utf-8") as _f:
@@ -213,7 +213,8 @@ def _rings_why(results, gpu):
     if not tl:
         return None
     t, o = (tl["summary"][m]["over_recordings"] for m in ("tp", "tp_overlap"))
-    total, blocked = t["total_ms"]["median"], t["blocked_in_comm_ms"]["median"]
+    tp = block_budget(tl)
+    total, blocked = tp["total_ms"], tp["comm_ms"]
     who = "the compute stream stalled" if gpu else "the host blocked"
     why = (f"timeline of one block, medians over {t['total_ms']['n']} recordings "
            f"(slowest rank): tp {total:.1f} ms, {who} {blocked:.1f} ms waiting for "
@@ -221,11 +222,9 @@ def _rings_why(results, gpu):
            f" x tp); tp_overlap {o['total_ms']['median']:.1f} ms, still "
            f"{o['blocked_in_comm_ms']['median']:.1f} ms"
            + ("" if gpu else f", and posting {o['posting_ms']['median']:.1f} ms"))
-    gemm = max((r.get("gemm_ms", 0.0) for r in tl["summary"]["tp"]["per_rank"]), default=0.0)
-    if gemm:  # the ring hides a transfer only under the GEMMs of its own layer
+    if tp["gemm_ms"]:  # the ring hides a transfer only under the GEMMs of its own layer
         why += (f"; the rings hide a transfer only under its own layer's GEMMs, "
-                f"{gemm:.1f} ms of tp's block: at best "
-                f"{(total - min(blocked, gemm)) / total:.2f} x tp")
+                f"{tp['gemm_ms']:.1f} ms of tp's block: at best {tp['ring_ceiling']:.2f} x tp")
     return why
 
 
