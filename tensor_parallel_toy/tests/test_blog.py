@@ -259,12 +259,12 @@ def test_targets_in_results_json_are_what_their_numbers_give_today():
     files must be re-rendered (their numbers kept) so that summary.txt prints the new one."""
     import json
 
-    from tensor_parallel_toy.profiling.report import report
+    from tensor_parallel_toy.profiling.report import targets
 
     for path, _ in _committed_runs():
         with open(path, encoding="utf-8") as f:
             results = json.load(f)
-        for stored, fresh in zip(results["targets"], report.evaluate_targets(results)):
+        for stored, fresh in zip(results["targets"], targets.evaluate_targets(results)):
             assert stored == fresh, f"{path}: {stored} != {fresh}"
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tensor_parallel_toy.profiling.measure import bench_overlap, timeline
-from tensor_parallel_toy.profiling.report import plots, report
+from tensor_parallel_toy.profiling.report import plots, report, targets
 
 KEYS = ("median", "p10", "p90", "min", "max", "n", "values")
 
@@ -235,7 +235,7 @@ def test_overlap_columns_and_notes_spell_out_when_overlap_cost_time():
                              t_overlap_ms=3.5, t_comm_ms=1.0, t_gemm_ms=2.0)
     for op in ops.values():  # sequential -> overlapped loses time in every op
         op["t_overlap_ms"] = op["t_seq_ms"] + 0.5
-    results["targets"] = report.evaluate_targets(results)
+    results["targets"] = targets.evaluate_targets(results)
     text = report.summary_text(results)
     row = next(line for line in text.splitlines() if line.startswith(ops["column_fwd"]["label"])
                and "(cost time)" in line)

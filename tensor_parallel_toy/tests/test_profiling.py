@@ -16,7 +16,7 @@ from tensor_parallel_toy.profiling import cli as profile
 from tensor_parallel_toy.profiling.measure.bench_overlap import OPS
 from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes, ratio_interval
 from tensor_parallel_toy.profiling.measure.timeline import nccl_kernel_us
-from tensor_parallel_toy.profiling.report import report
+from tensor_parallel_toy.profiling.report import report, targets
 from tensor_parallel_toy.profiling.run import data, phases
 from tensor_parallel_toy.profiling.run.train import interleaved_order
 from tensor_parallel_toy.profiling.spec import MODELS, MODES
@@ -118,7 +118,7 @@ def test_profile_smoke_writes_results_json_and_every_plot(pools, tmp_path, backe
     # A missed overlap target, so that its explanation is printed.
     gpu["overlap_benchmark"]["ops"]["column_fwd"].update(
         t_comm_ms=1.0, t_gemm_ms=2.0, t_seq_ms=3.0, overlap_over_max=5.0)
-    gpu["targets"] = report.evaluate_targets(gpu)
+    gpu["targets"] = targets.evaluate_targets(gpu)
     text = report.summary_text(gpu)
     for words in ("GPU: NVIDIA H100; NCCL's streams at high priority", "CUDA events",
                   "compute stream stalled at waits", "NCCL kernels 1.2",
@@ -133,13 +133,13 @@ def test_the_targets_are_data_the_report_reads(monkeypatch):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "blog", "results", "results.json"), encoding="utf-8") as f:
         results = json.load(f)
-    assert report.evaluate_targets(results) == results["targets"]
-    changed = json.loads(json.dumps(report.TARGETS))
+    assert targets.evaluate_targets(results) == results["targets"]
+    changed = json.loads(json.dumps(targets.TARGETS))
     changed["overlap_vs_dtensor"]["bound"] = 0.5
     changed["overlap_vs_tp_loopback"]["bound"] = 0.25
     changed["loss_vs_baseline"]["relative_error"] = 1e-9
-    monkeypatch.setattr(report, "TARGETS", changed)
-    verdicts = {t["name"]: t["met"] for t in report.evaluate_targets(results)}
+    monkeypatch.setattr(targets, "TARGETS", changed)
+    verdicts = {t["name"]: t["met"] for t in targets.evaluate_targets(results)}
     assert verdicts == {
         "forward AG+GEMM overlapped <= 1.2 x max(comm, GEMM)": None,
         "tp_overlap / tp step time <= 0.25 (overlap never costs time), whole interval": False,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ...guards.collectives import all_gather_objects
 from ..measure import bench_overlap, timeline
 from ..measure.metrics import keep_freed_memory
-from ..report import landing, plots, report
+from ..report import landing, plots, report, targets
 from ..report.output import write_text
 from ..wires import link, wire
 from . import tp_no_sp, train
@@ -183,7 +183,7 @@ def run_phases(runner, args):
     land = landing.landing(results)
     if land:
         results["landing"] = land
-    results["targets"] = report.evaluate_targets(results)
+    results["targets"] = targets.evaluate_targets(results)
     return results
 
 
