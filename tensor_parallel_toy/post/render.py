@@ -4,7 +4,9 @@
 placeholder: `{{src:path|format}}` names an entry of one of the committed profile runs
 (SOURCES: `blog/results/`, `blog/link/`, `blog/llama/`, `blog/2d/`, `blog/wire/`, `blog/decode/`,
 `blog/halves/`), `{{name}}` a value that
-`derived` computes from them or from the package's formulas (`memory_model.py`). `python -m tensor_parallel_toy blog` writes `blog/<post>.md` from them.
+`derived` computes from them or from the package's formulas (`memory_model.py`), and
+`{{time:...}}` a reading time (reading.py). `python -m tensor_parallel_toy blog` writes
+`blog/<post>.md` from them.
 The tests check that the committed posts equal a fresh rendering, and that a template holds no
 hand-typed measurement (`hand_typed_numbers`): a number copied into prose by hand would stay
 behind when the results change; a placeholder cannot.
@@ -14,7 +16,7 @@ import os
 import re
 
 from ..profiling.measure.metrics import MiB
-from . import envelope
+from . import envelope, reading
 
 POSTS = ("part1-tp-and-sp.md", "part2-overlap-and-real-models.md")
 HEADER = ("<!-- Rendered from blog/src/{name} by `python -m tensor_parallel_toy blog`, with the "
@@ -228,6 +230,8 @@ def render(template, data, named, source="template"):
     def replace(match):
         src, path, fmt = match.groups()
         where = f"{source}, line {template.count(chr(10), 0, match.start()) + 1}"
+        if src == "time":  # a reading time: filled in once the whole post is rendered
+            return match.group(0)
         if src is None:
             if path not in named:
                 raise KeyError(f"{where}: unknown placeholder {{{{{path}}}}}")
@@ -246,7 +250,7 @@ def rendered_posts(blog_dir):
         with open(os.path.join(blog_dir, "src", name), encoding="utf-8") as f:
             template = f.read()
         posts[name] = HEADER.format(name=name) + render(template, data, named, f"blog/src/{name}")
-    return posts
+    return reading.fill_times(posts)
 
 
 def write_posts(blog_dir):
@@ -284,17 +288,3 @@ def hand_typed_numbers(template, allowed=()):
             if looks_measured and n not in allowed:
                 found.append((line_no, n))
     return found
-
-
-PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_TABLE = 200, 100, 0.5, 0.5
-
-
-def reading_minutes(text):
-    """The reading time the posts state: prose at 200 words a minute, code (fenced blocks) at
-    100, half a minute per figure shown and per table. Words are whitespace-separated, as `wc -w`."""
-    code = sum(len(m.group(0).split()) for m in _FENCED.finditer(text))
-    prose = len(text.split()) - code
-    figures = len(re.findall(r"!\[", text))
-    tables = len(re.findall(r"^\|\s*-{3,}", text, flags=re.M))
-    return (prose / PROSE_WPM + code / CODE_WPM + figures * MINUTES_PER_FIGURE
-            + tables * MINUTES_PER_TABLE)
