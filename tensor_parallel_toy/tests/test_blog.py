@@ -220,9 +220,9 @@ def test_reading_time_formula_counts_each_kind_of_reading_at_its_rate():
             "four\n### sub\nfive six\n## References\nseven\n## C\neight\n")
     parts = reading.timed_parts(text)
     words = lambda n: n / 175  # noqa: E731
-    # intro 2; A: 5 words (heading included) read twice; C: 3; the dive: 5 + 2 + 2; refs: 3
-    assert parts["core"] == pytest.approx(words(2 + 2 * 5 + 3))
-    assert parts["dives"] == [("Deep dive, 0 min: B", pytest.approx(words(9)))]
+    # intro 2; A: 8 words (heading included) read twice; C: 3; the dive: 7 + 4; refs: 3
+    assert parts["core"] == pytest.approx(words(2 + 2 * 8 + 3))
+    assert parts["dives"] == [("Deep dive, 0 min: B", pytest.approx(words(11)))]
     assert parts["unread"] == pytest.approx(words(3))
     with pytest.raises(ValueError, match="inside another"):
         reading.timed_parts("## Deep dive, 0 min: a\n### Deep dive, 0 min: b\n")
