@@ -192,8 +192,8 @@ def test_the_core_reads_in_an_hour_and_every_stated_time_is_the_formulas():
     whole = core + sum(t for p in parts.values() for _, t in p["dives"])
     assert core <= 60, f"the core takes {core:.1f} minutes by the formula, over 60"
     first, second = (posts[name] for name in sorted(posts))
-    assert f"The *core*, about {stated(core)} in all" in first
-    assert f"take about {stated(whole)}." in first
+    assert f"The *core*, about {stated(core)}, is" in first
+    assert f"Everything takes about {stated(whole)}," in first
     part2 = parts[sorted(posts)[1]]
     assert (f"about {stated(part2['core'] + sum(t for _, t in part2['dives']))} with its deep "
             f"dives; its core, sections 1 to 3, about\n{stated(part2['core'])}") in second
