@@ -1,5 +1,7 @@
 """The blog's conceptual figures, drawn by code: the splits, the collectives, the regions of a
-block, the two rings (concepts_rings.py), and the activation memory per saved tensor.
+block, the two rings (concepts_rings.py), the activation memory per saved tensor, and the two
+halves (concepts_halves.py): their schedule and autograd's mirror of it, and what the rings can
+hide in a block against what any schedule could.
 
     python -m tensor_parallel_toy.post.concepts blog/figures
 
@@ -14,6 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
 from ..profiling.measure import memory_model
+from .concepts_halves import draw_ceiling_vs_limit, draw_halves_mirror
 from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_reduce_scatter
 from .sketch import (COMM, RANK_EDGE, RANK_FILL, SOURCE_KEY, SUM, WIDTH_IN, arrow, box, canvas,
                      rounded, save, source_hash, styled)
@@ -366,7 +369,8 @@ DRAWERS = {"column_row_split.png": draw_column_row_split, "collectives.png": dra
            "transposes.png": draw_transposes,
            "regions.png": draw_regions, "ring_all_gather_gemm.png": draw_ring_all_gather_gemm,
            "ring_reduce_scatter.png": draw_ring_reduce_scatter,
-           "memory_per_tensor.png": draw_memory_per_tensor}
+           "memory_per_tensor.png": draw_memory_per_tensor,
+           "halves_mirror.png": draw_halves_mirror, "ceiling_vs_limit.png": draw_ceiling_vs_limit}
 
 
 def draw_all(out_dir):

@@ -19,7 +19,7 @@ from matplotlib.patches import FancyBboxPatch, Rectangle  # noqa: E402
 from ..profiling.report.output import atomic_path  # noqa: E402
 
 FIGURE_SOURCES = ("post/sketch.py", "post/concepts.py", "post/concepts_rings.py",
-                  "profiling/measure/memory_model.py")  # relative to the package
+                  "post/concepts_halves.py", "profiling/measure/memory_model.py")  # in the package
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_KEY = "Source-SHA256"
 WIDTH_IN, DPI = 8.2, 110  # about 900 pixels wide: the blog's column
