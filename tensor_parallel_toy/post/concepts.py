@@ -123,7 +123,8 @@ def draw_collectives(path):
           "backward: all-gather"]),
         ("all-reduce", partials, everywhere,
          ["= reduce-scatter, then all-gather:", "each rank sends 2(p−1)/p · N = 3/2 N", "",
-          "backward: all-reduce of the", "gradients (the sum's transpose)"]),
+          "backward: all-reduce of the gradients", "when ranks use the sum differently;",
+          "the identity when all use it alike (g)"]),
     ]
     for i, (name, before, after, notes) in enumerate(bands):
         top = 16.1 - i * 4.8
