@@ -104,13 +104,14 @@ def test_a_hang_at_process_group_start_fails_the_smoke_step_in_seconds_and_stops
     assert not (tmp_path / "gpu" / "nccl-tests.log").exists()
 
 
-def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_passed(
-        tmp_path):
+_SUMMARY_MARK = "=== the rehearsal's summary ==="
+
+
+def rehearse_failures(out):
     """The suite's own test steps, one [gloo] test each: one with a rank that raises, one with a
-    rank that aborts (exit -6, as NCCL's watchdog aborts one), one as it is. The summary's first
-    lines name each failed step, its test and the cause, read from pytest's JUnit report; the
-    step that passed, its one [gloo] test counted, comes after them."""
-    planned = gpu_check.plan(1, True, str(tmp_path), rehearse=True, tests=ONE_GLOO_TEST)
+    rank that aborts (exit -6, as NCCL's watchdog aborts one), one as it is; run together (they
+    mostly wait), their summary printed after `_SUMMARY_MARK`. A background command (below)."""
+    planned = gpu_check.plan(1, True, out, rehearse=True, tests=ONE_GLOO_TEST)
     steps = {s.name: s for s in planned}
     steps["again"] = dataclasses.replace(steps["nccl-tests"], name="again", env={
         **steps["nccl-tests"].env}, argv=[a.replace("nccl-tests.xml", "again.xml") for a in
@@ -123,8 +124,24 @@ def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_
         # Collect that test's file only: a quicker start.
         steps[name].argv.append(os.path.join(os.path.dirname(__file__), "test_parallel_linear.py"))
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # they mostly wait: run together
-        outcomes = list(pool.map(lambda job: run_step(steps[job[0]], str(tmp_path)), injected))
-    block = summary(outcomes, str(tmp_path)).splitlines()
+        outcomes = list(pool.map(lambda job: run_step(steps[job[0]], out), injected))
+    print(_SUMMARY_MARK, summary(outcomes, out), sep="\n")
+
+
+BACKGROUND = {"failure rehearsal": lambda folder: dict(argv=[
+    sys.executable, "-c", "import sys; from tensor_parallel_toy.tests.test_gpu_check import "
+    "rehearse_failures; rehearse_failures(sys.argv[1])", folder])}
+
+
+@pytest.mark.background("failure rehearsal")
+def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_passed(
+        background):
+    """The summary's first lines name each failed step, its test and the cause, read from
+    pytest's JUnit report; the step that passed, its one [gloo] test counted, comes after them
+    (`rehearse_failures`, run in the background from the session's start)."""
+    code, printed, err = background.result("failure rehearsal")
+    assert code == 0 and _SUMMARY_MARK in printed, (code, printed[-3000:], err[-3000:])
+    block = printed.split(_SUMMARY_MARK, 1)[1].strip().splitlines()
     assert "1 of 3 steps passed; FAILED: nccl-tests, sanitizer;" in block[0], block
     test = "test_parallel_linear::test_parallel_linear_matches_full_linear[2-column-overlap-"
     assert block[1].split()[:2] == ["FAILED", "nccl-tests"] and "1 failed" in block[1], block
