@@ -218,7 +218,7 @@ def _block_items(sequence_parallel):
         rows, region, x = "[s/p, b, h]", SPR, "x  [s/p, b, h], this rank's tokens"
         enter = ("all-gather(seq)   [s/p, b, h] → [s, b, h]\n"
                  "fwd: all-gather(seq) | bwd: reduce-scatter(seq)\n"
-                 "in ColumnParallelLinear")
+                 "+ bwd: all-gather(seq) again, of the saved x shard")
         leave = ("reduce-scatter(seq)   [s, b, h] → [s/p, b, h]\n"
                  "fwd: reduce-scatter(seq) | bwd: all-gather(seq)\n"
                  "in RowParallelLinear")
