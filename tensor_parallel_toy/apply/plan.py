@@ -108,13 +108,14 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..guards.agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
 from ..guards.guard import guard
-from ..comm import all_reduce_, group_size
+from ..comm import group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
 from ..parallel_linear import shard
 from ..support.sharding import record_layouts, tensor_parallel_dim
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
+from .leaf_sums import check_sums_in_place, hook_partial_sums
 from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
@@ -361,11 +362,6 @@ def _check_at_first_forward(module):
 # ----------------------------------------------------------------------------------------------
 # Carrying it out
 # ----------------------------------------------------------------------------------------------
-def _sum_over(group):
-    # f's backward at the leaf: this backward's partial gradient summed over the group.
-    return lambda grad: all_reduce_(grad.clone(), group)
-
-
 def _replacement(name, mod, style, group, overlap):
     """The module that takes `mod`'s place (or `mod` itself, changed in place)."""
     where = f"{type(style).__name__} at {name!r}"
@@ -391,8 +387,7 @@ def _replacement(name, mod, style, group, overlap):
     if isinstance(style, SequenceParallel):
         if isinstance(mod, nn.Dropout):
             return SequenceParallelDropout(mod.p, style.sequence_dim, group)
-        for param in mod.parameters():
-            param.register_hook(_sum_over(group))
+        hook_partial_sums(mod, group)
     return mod
 
 
@@ -479,6 +474,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     record_layouts(module)
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     _check_at_first_forward(module)  # local, so before the guard's batch comparison
+    module.register_forward_pre_hook(lambda mod, args: check_sums_in_place(mod))
     return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
                  check_replicated_grads=check_replicated_grads)
 

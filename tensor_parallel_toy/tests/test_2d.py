@@ -162,3 +162,58 @@ def test_bad_mesh_or_batch_size_raises_one_clear_error(pools):
         and "has 4" in messages["mesh"], messages
     assert messages["batch"] and "batch size 3" in messages["batch"] \
         and "data-parallel size 4" in messages["batch"], messages
+
+
+def _on_rank_plan_under_fully_shard(wrap):
+    """nanoGPT split by its plan over the TP group, then wrapped over the DP group: its
+    LayerNorms' gradients are summed over TP by hooks on their Parameters (apply/leaf_sums.py)."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tensor_parallel_toy import parallelize_module
+    from tensor_parallel_toy.examples import nanogpt_tp as ng
+
+    mesh = mesh_2x2()
+    config = dataclasses.replace(ng.CONFIG, dropout=0.0)
+    torch.manual_seed(0)
+    one = ng.GPT(config)
+    model = parallelize_module(copy.deepcopy(one), mesh["tp"].get_group(), ng.make_plan(config),
+                               check_replicated_grads=None)
+    if wrap == "fully_shard":
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"])
+    batch = ng.batch_of(0, config)  # the same on every rank: DP's mean is one device's
+    message = value_error_messages({"step": lambda: ng.gpt_loss(model, batch).backward()})
+    if message["step"] is not None:
+        return message
+    ng.gpt_loss(one, batch).backward()
+    reference = dict(one.named_parameters())
+    worst = 0.0
+    for name, param in model.module.named_parameters():
+        if ".ln_" in name:
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            full = reference[name].grad
+            worst = max(worst, ((grad - full).norm() / full.norm()).item())
+    return {"step": None, "worst LayerNorm grad error": worst}
+
+
+@pytest.mark.parametrize("wrap", ["fully_shard", "ddp"])
+def test_a_plans_model_under_fully_shard_is_refused_and_under_ddp_keeps_its_sums(pools, wrap):
+    """fully_shard replaces the Parameters that carry the plan's SequenceParallel sums: each
+    rank would step with its partial LayerNorm gradient (about 0.95 and 0.05 of it here). The
+    first forward refuses on every rank; DDP keeps the Parameters, and the sums."""
+    results = pools(4).run(_on_rank_plan_under_fully_shard, wrap)
+    if wrap == "fully_shard":
+        for r in results:
+            assert r["step"] and r["step"].startswith(
+                "transformer.h.0.ln_1.weight is no longer the Parameter parallelize_module "
+                "hooked") and "fully_shard" in r["step"], r
+    else:
+        for r in results:
+            assert r["step"] is None and r["worst LayerNorm grad error"] < 1e-5, r
