@@ -30,8 +30,8 @@ REREAD = "(read it twice)"
 DEEP_DIVE = "Deep dive"
 NOT_READ = ("References",)  # headings of sections a reader looks up, not reads
 
-_FENCED = re.compile(r"^(`{3,}|~{3,}).*?^\1\s*$", re.S | re.M)
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
+FENCED = re.compile(r"^(`{3,}|~{3,}).*?^\1\s*$", re.S | re.M)  # a code block
+COMMENT = re.compile(r"<!--.*?-->", re.S)  # not shown, not read
 _HEADING = re.compile(r"^(#{1,6})\s+(.*)$", re.M)
 _TIME = re.compile(r"\{\{\s*time:(dive|core|all|post|postcore)\s*\}\}")
 
@@ -43,8 +43,8 @@ def is_deep_dive(title):
 
 def minutes(text):
     """The formula's minutes for `text` (markdown), re-reading not included."""
-    text = _COMMENT.sub(" ", text)
-    code = sum(len(m.group(0).split()) for m in _FENCED.finditer(text))
+    text = COMMENT.sub(" ", text)
+    code = sum(len(m.group(0).split()) for m in FENCED.finditer(text))
     prose = len(text.split()) - code
     figures = len(re.findall(r"!\[", text))
     tables = len(re.findall(r"^\|\s*:?-{3,}", text, flags=re.M))
@@ -57,7 +57,7 @@ def sections(text):
     ''; each heading's body runs to the next heading of any level (a section's subsections
     are sections of their own)."""
     out, start, level, title = [], 0, 0, ""
-    fenced = [m.span() for m in _FENCED.finditer(text)]
+    fenced = [m.span() for m in FENCED.finditer(text)]
     for m in _HEADING.finditer(text):
         if any(a <= m.start() < b for a, b in fenced):
             continue  # a comment line in a code block, not a heading
@@ -92,7 +92,8 @@ def timed_parts(text):
     return {"core": core, "dives": [tuple(d) for d in dives], "unread": unread}
 
 
-def _stated(value):
+def stated(value):
+    """How a time is written: whole minutes, half up, at least 1."""
     return f"{max(1, int(value + 0.5))} min"  # half up, as a reader rounds
 
 
@@ -116,11 +117,11 @@ def fill_times(posts):
                     raise ValueError(f"{name}: the deep dive {line.strip()!r} states no "
                                      "{{time:dive}}")
                 dive = next(dives)
-                line = _TIME.sub(lambda m: _stated(dive) if m.group(1) == "dive"
+                line = _TIME.sub(lambda m: stated(dive) if m.group(1) == "dive"
                                  else m.group(0), line)
             elif "time:dive" in line:
                 raise ValueError(f"{name}: {{{{time:dive}}}} outside a deep dive's heading: "
                                  f"{line.strip()!r}")
-            lines[i] = _TIME.sub(lambda m: _stated(values[m.group(1)]), line)
+            lines[i] = _TIME.sub(lambda m: stated(values[m.group(1)]), line)
         filled[name] = "\n".join(lines)
     return filled

@@ -264,10 +264,8 @@ def write_posts(blog_dir):
 
 
 # Prose, not code: what is left of a template once code, links, comments and placeholders go.
-_FENCED = re.compile(r"^(`{3,}|~{3,}).*?^\1\s*$", re.S | re.M)
 _INLINE_CODE = re.compile(r"`[^`\n]+`")
 _LINK_TARGET = re.compile(r"\]\([^)]*\)")
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
 _NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?![\w])")
 
 
@@ -278,7 +276,7 @@ def hand_typed_numbers(template, allowed=()):
     legal: section numbers, p = 2, "four collectives". Code blocks, inline code and link
     targets are not prose."""
     prose = _PLACEHOLDER.sub(" ", template)
-    for pattern in (_FENCED, _COMMENT, _INLINE_CODE, _LINK_TARGET):
+    for pattern in (reading.FENCED, reading.COMMENT, _INLINE_CODE, _LINK_TARGET):
         prose = pattern.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
     found = []
     for line_no, line in enumerate(prose.splitlines(), 1):

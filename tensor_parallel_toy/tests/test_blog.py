@@ -182,9 +182,7 @@ def test_the_core_reads_in_an_hour_and_every_stated_time_is_the_formulas():
     a deep dive, references aside) takes at most 60 minutes by the calibrated formula; part 1
     states it and the whole, part 2 its own two, and each deep dive its own, in its heading."""
     from tensor_parallel_toy.post import reading
-
-    def stated(minutes):
-        return f"{max(1, int(minutes + 0.5))} min"
+    from tensor_parallel_toy.post.reading import stated
 
     posts = _posts()
     parts = {name: reading.timed_parts(text) for name, text in posts.items()}
