@@ -23,25 +23,43 @@ def _sum_over(group):
 
 
 def hook_partial_sums(mod, group):
-    """Sum the gradient of every parameter of `mod` over `group`, and remember which Parameter
-    objects carry the hook (weakly: one that is replaced and freed reads as gone)."""
-    for param in mod.parameters():
-        param.register_hook(_sum_over(group))
-    mod.summed_parameters = {name: weakref.ref(param) for name, param in mod.named_parameters()}
+    """Sum the gradient of every parameter of `mod` over `group`, and remember where each hooked
+    Parameter sits, (its module, attribute, the object held weakly: one replaced and freed
+    reads as gone)."""
+    mod.summed_parameters = {}
+    for sub_name, sub in mod.named_modules():
+        for attr, param in sub.named_parameters(recurse=False):
+            param.register_hook(_sum_over(group))
+            label = ".".join(n for n in (sub_name, attr) if n)
+            mod.summed_parameters[label] = (sub, attr, weakref.ref(param))
+
+
+def watch_sums(module):
+    """Check at every forward of `module` that the hooked Parameters of the modules in it are
+    still theirs (`check_sums_in_place`). Nested calls keep one watch: the outermost module's
+    runs first and, at its first run, removes those of the modules inside it."""
+    def check(mod, args):
+        if "summed_index" not in mod.__dict__:  # the first run: the plan's calls all made
+            for sub in list(mod.modules())[1:]:
+                inner = sub.__dict__.pop("sums_watch", None)
+                if inner is not None:
+                    inner.remove()
+        check_sums_in_place(mod)
+
+    module.sums_watch = module.register_forward_pre_hook(check)
 
 
 def check_sums_in_place(root):
     """Raise ValueError (one line) if a parameter whose gradient the plan sums by a hook is no
-    longer the Parameter that carries the hook. A forward pre-hook of the planned module."""
+    longer the Parameter that carries the hook."""
     index = root.__dict__.get("summed_index")
-    if index is None:  # which (label, module, attribute) to look at, found once
+    if index is None:  # where to look, found once
         index = root.__dict__["summed_index"] = [
-            (".".join(n for n in (name, pname) if n), mod, pname, hooked)
+            (".".join(n for n in (name, label) if n), *where)
             for name, mod in root.named_modules()
-            for pname, hooked in getattr(mod, "summed_parameters", {}).items()]
-    for label, mod, pname, hooked in index:
-        owner, _, attr = pname.rpartition(".")
-        if getattr(mod.get_submodule(owner) if owner else mod, attr, None) is not hooked():
+            for label, where in getattr(mod, "summed_parameters", {}).items()]
+    for label, owner, attr, hooked in index:
+        if getattr(owner, attr, None) is not hooked():
             raise ValueError(
                 f"{label} is no longer the Parameter parallelize_module hooked to sum its "
                 f"gradient over the tensor-parallel group (replaced after the split, as "

@@ -115,7 +115,7 @@ from ..parallel_linear import shard
 from ..support.sharding import record_layouts, tensor_parallel_dim
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
-from .leaf_sums import check_sums_in_place, hook_partial_sums
+from .leaf_sums import hook_partial_sums, watch_sums
 from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
@@ -474,7 +474,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     record_layouts(module)
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     _check_at_first_forward(module)  # local, so before the guard's batch comparison
-    module.register_forward_pre_hook(lambda mod, args: check_sums_in_place(mod))
+    watch_sums(module)
     return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
                  check_replicated_grads=check_replicated_grads)
 
