@@ -17,11 +17,16 @@ parallel region); inside attention and the MLP it holds the full sequence but on
 heads / ffn features (tensor parallel region). Parameter names are the same in both modes, so a
 baseline state dict maps one to one onto the shards.
 
+`Transformer(config, tp_group=group, sequence_parallel=False)` is classic TP (Shoeybi et al.):
+every rank holds the whole `[s, b, h]` between the layers, the column layers open with `f`, the
+row layers and the embedding close with `g`, and the norms need no sum (generation runs so).
+
 A sequence whose length the TP size does not divide is padded at its end (token 0, label
 ignore_index): causal attention hides the padding from every real token, and the loss skips
 it, so logits, loss and gradients are those of the unpadded sequence.
 """
 import math
+import warnings
 import zlib
 
 import torch
@@ -30,23 +35,28 @@ import torch.nn.functional as F
 
 from .comm import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region, group_size
 from .config import ModelConfig, pad_sequence, padded_seq_len
-from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, RowSplit,
-                              column_parallel_or_plain, full_shape, row_parallel_or_plain, shard)
-from .rotary import apply_rotary, rotary_tables
+from .parallel_linear import (RowSplit, column_parallel_or_plain, full_shape, layout_of,
+                              row_parallel_or_plain, set_layout, shard)
+from .rotary import rotary_tables, rotate
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 @torch.no_grad()
 def draw_full_weights_(model, tp_group, seed=0):
     """Draw every *full* weight of `model` from its own generator (seeded by seed and name),
-    N(0, param.init_std) (0.02 if unset; None keeps the values built), and keep this rank's
-    shard: any TP size starts from exactly the baseline's weights."""
-    for name, param in model.named_parameters():
-        std = getattr(param, "init_std", 0.02)
-        if std is not None:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.randn(full_shape(param, group_size(tp_group)), generator=gen) * std
-            param.copy_(shard(full, param, tp_group))
+    N(0, its layout's init_std) (None keeps the values built), and keep this rank's shard: any
+    TP size starts from exactly the baseline's weights."""
+    drawn = set()
+    for name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            layout = layout_of(module, attr)
+            if layout.init_std is None or id(param) in drawn:  # a tied weight: drawn once
+                continue
+            drawn.add(id(param))
+            full_name = f"{name}.{attr}" if name else attr
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(full_name.encode()))
+            full = torch.randn(full_shape(param, layout, group_size(tp_group)), generator=gen)
+            param.copy_(shard(full * layout.init_std, layout, tp_group))
 
 
 class RMSNorm(nn.Module):
@@ -64,13 +74,17 @@ class RMSNorm(nn.Module):
     weight `[hd]`, Qwen3's q/k norms) sits inside the tensor-parallel region: every rank sees all
     s tokens but only its own heads, so its gradient is again a partial sum, over heads instead
     of tokens, and the same `f` sums it.
+
+    `tp_group`: the group whose ranks each see part of what this norm normalises (None: every
+    rank sees all of it, as the residual stream's norms under classic TP: no sum).
     """
 
     def __init__(self, dim, eps=1e-5, tp_group=None):
         super().__init__()
-        self.eps, self.tp_group = eps, tp_group
+        self.eps = eps
+        self.tp_group = tp_group
         self.weight = nn.Parameter(torch.ones(dim))
-        self.weight.init_std = None  # drawn by no one: keep the ones
+        set_layout(self, "weight", init_std=None)  # drawn by no one: keep the ones
 
     def forward(self, x):
         return rms_norm(x, copy_to_tensor_parallel_region(self.weight, self.tp_group), self.eps)
@@ -117,22 +131,32 @@ class Attention(nn.Module):
     what the projections produce and `proj` consumes; p splits whole heads either way.
     With `qk_norm` each head's q and k are RMS-normalised (`q_norm`, `k_norm`, weights `[hd]`)
     before the rotation; with a `sliding_window` w, query i sees keys max(0, i - w + 1) .. i.
+
+    With a `cache` (generation, inference/): the new tokens' keys and values join the cached
+    ones, and the cache says which of those each query may see (`cache.update`), as past keys
+    and values enter nanoGPT's and `transformers`' attention.
+
+    `switches`: the layers' `sequence_parallel`, `overlap`, `ring_pieces` (parallel_linear.py).
     """
 
-    def __init__(self, config, tp_group=None, overlap=False):
+    def __init__(self, config, tp_group=None, **switches):
         super().__init__()
-        h, hd = config.hidden_size, config.head_dim
-        nh, nkv, p = config.num_heads, config.num_kv_heads, group_size(tp_group)
+        h = config.hidden_size
+        hd = config.head_dim
+        nh = config.num_heads
+        nkv = config.num_kv_heads
+        p = group_size(tp_group)
         q_per_kv = nh // nkv
-        self.head_dim, self.window = hd, config.sliding_window
+        self.head_dim = hd
+        self.window = config.sliding_window
         # This rank's query heads per k/v head it holds: all of them, or its share of them.
         self.q_per_kv = q_per_kv // max(p // nkv, 1)
         # Bias rows are laid out like the weight's, so they are split (and shared) the same way.
         rows = None if tp_group is None else qkv_rows(nkv, q_per_kv, hd, p)
-        self.qkv = column_parallel_or_plain(h, nkv * (q_per_kv + 2) * hd, tp_group, overlap,
-                                            config.qkv_bias, rows=rows)
-        self.proj = row_parallel_or_plain(nh * hd, h, tp_group, overlap)
-        self.proj.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
+        self.qkv = column_parallel_or_plain(h, nkv * (q_per_kv + 2) * hd, tp_group,
+                                            bias=config.qkv_bias, rows=rows, **switches)
+        self.proj = row_parallel_or_plain(nh * hd, h, tp_group, **switches,
+                                          init_std=0.02 / math.sqrt(2 * config.num_layers))
         # Replicated [hd] weights inside the TP region (each rank normalises only its own
         # heads): their gradients are partial sums over the heads, summed by the norm's `f`.
         self.q_norm = self.k_norm = None
@@ -149,12 +173,13 @@ class Attention(nn.Module):
         offset = offset[:, None] - offset[None, :]  # [s, s]: query position minus key position
         return {"attn_mask": (offset >= 0) & (offset < self.window)}  # True: may attend
 
-    def forward(self, x, cos, sin):
-        return self.proj(self.attend(self.qkv(x), cos, sin))  # [s/p, b, h]
+    def forward(self, x, cos, sin, cache=None):
+        return self.proj(self.attend(self.qkv(x), cos, sin, cache))  # [s/p, b, h]
 
-    def attend(self, qkv, cos, sin):
+    def attend(self, qkv, cos, sin, cache=None):
         """Attention over this rank's heads, from its qkv rows `[s, b, rows]` -> `[s, b,
-        nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers)."""
+        nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers).
+        cos, sin: each position's rotary angles, `[s, 1 or b, 1, hd/2]` (`Transformer.rotary`)."""
         n = self.q_per_kv  # query heads per k/v head on this rank
         qkv = qkv.unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
         s, b = qkv.shape[:2]
@@ -162,27 +187,41 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [s, b, kv heads here, hd] each
         if self.q_norm is not None:  # each head's q and k normalised, then rotated
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
+        mask = self._mask(s, q.device)
+        if cache is not None:  # every position so far: [b, kv heads here, T, hd]
+            k, v, mask = cache.update(self, k, v)
         # enable_gqa: query head i reads k/v head i // n of this rank.
-        o = F.scaled_dot_product_attention(q, k, v, **self._mask(s, q.device),
-                                           enable_gqa=n > 1)  # [b, nh/p, s, hd]
+        o = F.scaled_dot_product_attention(q, k, v, **mask, enable_gqa=n > 1)  # [b, nh/p, s, hd]
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, nh*hd/p]
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp_group=None, overlap=False):
+    """`fc2(gelu(fc1(x)))`: fc1 column-parallel, fc2 row-parallel."""
+
+    def __init__(self, config, tp_group=None, **switches):
         super().__init__()
-        h, m = config.hidden_size, config.ffn_hidden_size
-        self.fc1 = column_parallel_or_plain(h, m, tp_group, overlap)
-        self.fc2 = row_parallel_or_plain(m, h, tp_group, overlap)
-        self.fc2.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
+        h = config.hidden_size
+        m = config.ffn_hidden_size
+        self.fc1 = column_parallel_or_plain(h, m, tp_group, **switches)
+        self.fc2 = row_parallel_or_plain(m, h, tp_group, **switches,
+                                         init_std=0.02 / math.sqrt(2 * config.num_layers))
+
+    def layers(self):
+        """(the column layer, the row layer): halves/ runs them between its transfers."""
+        return self.fc1, self.fc2
+
+    def activate(self, y):
+        """What runs between the two layers, on each feature alone."""
+        return F.gelu(y)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))  # [s/p,b,h] -> [s,b,m/p] -> [s/p,b,h]
+        first, second = self.layers()
+        return second(self.activate(first(x)))  # [s/p,b,h] -> [s,b,m/p] -> [s/p,b,h]
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(MLP):
     """`down(silu(gate(x)) * up(x))`, the MLP of Llama, Mistral and Qwen2.
 
     `gate` and `up` are both column-parallel, so they share one all-gather of x: they are one
@@ -192,28 +231,37 @@ class SwiGLU(nn.Module):
     row-parallel, like fc2.
     """
 
-    def __init__(self, config, tp_group=None, overlap=False):
-        super().__init__()
-        h, m = config.hidden_size, config.ffn_hidden_size
-        self.gate_up = column_parallel_or_plain(h, (2, m), tp_group, overlap, split_dim=1)
-        self.down = row_parallel_or_plain(m, h, tp_group, overlap)
-        self.down.weight.init_std = 0.02 / math.sqrt(2 * config.num_layers)
+    def __init__(self, config, tp_group=None, **switches):
+        nn.Module.__init__(self)
+        h = config.hidden_size
+        m = config.ffn_hidden_size
+        self.gate_up = column_parallel_or_plain(h, (2, m), tp_group, split_dim=1, **switches)
+        self.down = row_parallel_or_plain(m, h, tp_group, **switches,
+                                          init_std=0.02 / math.sqrt(2 * config.num_layers))
 
-    def forward(self, x):
-        gate, up = self.gate_up(x).unflatten(-1, (2, -1)).unbind(-2)  # [s, b, m/p] each
-        return self.down(F.silu(gate) * up)  # [s/p, b, h]
+    def layers(self):
+        return self.gate_up, self.down
+
+    def activate(self, y):
+        gate, up = y.unflatten(-1, (2, -1)).unbind(-2)  # [s, b, m/p] each
+        return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config, tp_group=None, overlap=False):
-        super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
-        self.attn = Attention(config, tp_group, overlap)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
-        self.mlp = (SwiGLU if config.mlp == "swiglu" else MLP)(config, tp_group, overlap)
+    """`x + attn(norm(x))`, then `x + mlp(norm(x))`. `tp_group`, `switches`: as for
+    `Transformer` (the norms sum their gradients over the group only under SP)."""
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def __init__(self, config, tp_group=None, **switches):
+        super().__init__()
+        split_rows = tp_group if switches.get("sequence_parallel", True) else None
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps, split_rows)
+        self.attn = Attention(config, tp_group, **switches)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, split_rows)
+        self.mlp = (SwiGLU if config.mlp == "swiglu" else MLP)(config, tp_group, **switches)
+
+    def forward(self, x, cos, sin, cache=None):
+        # The cache by keyword: a plan's PrepareModuleInput lays out the positional inputs.
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -226,30 +274,47 @@ class Transformer(nn.Module):
     the tokens whose label is not ignore_index, the same scalar on every rank, from
     vocab-sharded logits (never gathered).
 
+    `sequence_parallel=False`: classic TP, every rank holding the whole `[s, b, h]` between the
+    layers (`f` and `g` instead of the all-gathers and reduce-scatters); `overlap=True` (the
+    rings, each chunk cut into `ring_pieces` transfers) needs sequence parallelism.
+
     No checks here: `guard(model)` (guards/) attaches them from outside, at the call site
     (the ranks compare what they built; each batch is checked before the forward's first
-    collective; replicated gradients compared at the first backward).
+    collective; replicated gradients compared at the first backward). A TP model called
+    without them says so once, with a warning.
     """
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, ring_pieces=1,
-                 seed=0):
+                 sequence_parallel=True, seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any layer is built
+        switches = dict(sequence_parallel=sequence_parallel, overlap=overlap,
+                        ring_pieces=ring_pieces)
+        if tp_group is None:
+            switches = {}
         # Equal sequence chunks, one per rank (with overlap, ring_pieces equal pieces each):
         # shorter sequences are padded to a multiple of this.
-        self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1)
-        self.config, self.tp_group, self.overlap, self.seed = config, tp_group, overlap, seed
+        self.seq_multiple = 1
+        if sequence_parallel:
+            self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1)
+        self.config = config
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.overlap = overlap
+        self.seed = seed
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                tp_group=tp_group, init_weights=False)
+                                                tp_group=tp_group, init_weights=False,
+                                                sequence_parallel=sequence_parallel)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, tp_group, overlap) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps, tp_group)
+            TransformerBlock(config, tp_group, **switches) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps,
+                            tp_group if sequence_parallel else None)
         self.head = column_parallel_or_plain(config.hidden_size, config.vocab_size, tp_group,
-                                             overlap)
+                                             **switches)
         if config.tie_embeddings:
             # One Parameter, two uses: both gradients accumulate into it. Under TP the head
             # and the embedding split the same vocabulary rows, so the shards line up too.
@@ -259,9 +324,6 @@ class Transformer(nn.Module):
                                  config.head_dim, config.rope_base, config.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for layer in self.modules():  # the ring's transfers per chunk (ring.py)
-            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                layer.ring_pieces = ring_pieces
         self.reset_parameters(seed)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -275,31 +337,61 @@ class Transformer(nn.Module):
 
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
+        if self.tp_size > 1 and "guards" not in self.__dict__:
+            self.say_unchecked()
         s = input_ids.shape[1]
         logits = self.sharded_logits(pad_sequence(input_ids.t(), self.seq_multiple, 0))
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
         labels = pad_sequence(labels.t(), self.seq_multiple, ignore_index)  # [s', b]
-        loss = self._cross_entropy(logits, labels, ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing, reduction=reduction)
+        loss = self.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing, reduction=reduction)
         return loss[:s].t() if reduction == "none" else loss  # [b, s] or a scalar
 
-    def sharded_logits(self, ids):
-        """ids `[s', b]` (s' padded to a multiple of p) -> this rank's logits `[s', b, V/p]`:
-        the embedding, the blocks, the final norm and the head (halves/ runs them as two
-        interleaved halves of the batch instead)."""
+    def rotary(self, s, positions=None):
+        """cos and sin `[s, 1, 1, hd/2]` of positions 0..s-1, or `[s, b, 1, hd/2]` of each
+        token's own `positions` `[s, b]` (generation's left-padded prompts)."""
+        if positions is None:
+            return self.rope_cos[:s, None, None], self.rope_sin[:s, None, None]
+        return self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
+
+    def hidden_states(self, ids, cache=None):
+        """ids `[s', b]` (s' padded to a multiple of p under SP) -> the final norm's output,
+        this rank's `[s'/p, b, h]` (without SP: `[s', b, h]`). `cache`: see Attention."""
+        cos, sin = self.rotary(ids.shape[0], None if cache is None else cache.positions)
         x = self.embed(ids)  # [s'/p, b, h]
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        return self.head(self.norm(x))
+            x = layer(x, cos, sin, cache=cache)
+        return self.norm(x)
 
-    def _cross_entropy(self, logits, labels, **options):
+    def sharded_logits(self, ids):
+        """ids `[s', b]` -> this rank's logits `[s', b, V/p]`: the embedding, the blocks, the
+        final norm and the head (halves/ runs them as two interleaved halves of the batch)."""
+        return self.head(self.hidden_states(ids))
+
+    def cross_entropy(self, logits, labels, *, ignore_index, label_smoothing, reduction):
         """logits [s', b, V/p], labels [s', b] -> the loss; the baseline's is F.cross_entropy,
         the reference every TP result is compared with."""
         if self.tp_group is not None:
-            return vocab_parallel_cross_entropy(logits, labels, self.tp_group, **options)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), **options)
-        return loss.view(labels.shape) if options["reduction"] == "none" else loss
+            return vocab_parallel_cross_entropy(
+                logits, labels, self.tp_group, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, reduction=reduction)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                               ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               reduction=reduction)
+        return loss.view(labels.shape) if reduction == "none" else loss
+
+    def say_unchecked(self):
+        """Once per model: a TP model without `guard`'s checks returns a wrong number, or
+        hangs, when its ranks are given different batches or built different models."""
+        if "unchecked_said" in self.__dict__:
+            return
+        self.unchecked_said = True
+        warnings.warn(f"this Transformer runs over a tensor-parallel group of {self.tp_size} "
+                      f"ranks unchecked: ranks given different batches would all return a "
+                      f"mixed loss, ranks built differently would hang; call "
+                      f"model = guard(model) (tensor_parallel_toy.guard) once, after building "
+                      f"it", stacklevel=3)
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

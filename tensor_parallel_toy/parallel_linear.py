@@ -1,6 +1,19 @@
-"""Column- and row-parallel linear layers with sequence parallelism, written as autograd Functions.
+"""Column- and row-parallel linear layers, with or without sequence parallelism, as autograd
+Functions.
 
 Notation: p = TP size, r = this rank's index in `tp_group`, s = sequence, b = batch.
+
+Classic TP (Shoeybi et al., arXiv:1909.08053), `sequence_parallel=False`: every rank holds the
+whole activation between the layers.
+
+ColumnParallelLinear   X [.., in] (whole, every rank) --f--> GEMM with W_r [out/p, in]
+                       --> Y_r [.., out/p]          (backward: dX all-reduced by `f`)
+RowParallelLinear      X_r [.., in/p] --GEMM with W_r [out, in/p]--> partial Y [.., out]
+                       --g--> Y [.., out] + b       (backward: dY as it is, `g`'s identity)
+
+With sequence parallelism (Korthikanti et al., arXiv:2205.05198), the default, the activation
+between the layers is split along the sequence instead, and `f` and `g` become an all-gather
+and a reduce-scatter, each fused with the GEMM it feeds or follows:
 
 ColumnParallelLinear   Y = X W^T, W split by rows (output features)
     X_r  [s/p, b, in]  --all-gather(seq)-->  X [s, b, in]  --GEMM with W_r [out/p, in]-->
@@ -17,12 +30,13 @@ RowParallelLinear      Y = X W^T, W split by columns (input features)
 Each forward collective's backward is its conjugate (all-gather <-> reduce-scatter), because the
 transpose of "copy my block to everyone" is "sum everyone's copy of my block".
 
-Two Functions per layer: the basic one calls the collectives whole; the overlapped one cuts the
-GEMM into p sequence chunks and moves the chunks around a P2P ring (see ring.py) so that the
-transfer of one chunk runs under the GEMM of another. Both give the same numbers up to the
+Two Functions per layer under SP: the basic one calls the collectives whole; the overlapped one
+(ring.py) cuts the GEMM into p sequence chunks and moves the chunks around a P2P ring so that
+the transfer of one chunk runs under the GEMM of another. Both give the same numbers up to the
 order of fp32 additions. `column_parallel_linear` and `row_parallel_linear` are the two
-operations as plain functions, each picking its Function (`overlap=True`: the ring version);
-the Modules hold a weight shard and call them.
+operations as plain functions, each picking its Function; the Modules hold a weight shard,
+where it is split (`Layout`, on the module: an engine that replaces the Parameter objects keeps
+the modules) and call them.
 """
 import math
 from dataclasses import dataclass
@@ -31,13 +45,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders, group_rank, group_size,
-                   reduce_scatter_seq)
+from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders,
+                   copy_to_tensor_parallel_region, group_rank, group_size,
+                   reduce_from_tensor_parallel_region, reduce_scatter_seq)
 from .config import check_divisible
+from .ring import GemmRingReduceScatter, RingAllGatherGemm
+
+DEFAULT_INIT_STD = 0.02
 
 
 # ----------------------------------------------------------------------------------------------
-# What each rank holds of a weight: marks on the Parameter (Megatron's layers do the same)
+# What each rank holds of a parameter: a Layout, kept by the module that owns it
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class RowSplit:
@@ -57,6 +75,30 @@ class RowSplit:
         return local, torch.searchsorted(every, self.rows[rank][local]), len(every)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How one parameter is split over the TP ranks. `dim`: the dim split (None: every rank
+    holds it whole); `rows`: a `RowSplit` when dim 0 is split unevenly; `init_std`: the std of
+    the model's normal init (None: keep the values built). Whatever must treat parameters
+    differently (checkpoints, gradient norms, checks) reads these, never a parameter's name."""
+    dim: int | None = None
+    rows: RowSplit | None = None
+    init_std: float | None = DEFAULT_INIT_STD
+
+
+def set_layout(module, name, **layout):
+    """Record how `module`'s parameter `name` is split (`Layout`'s fields), on the module:
+    wrappers (`fully_shard`, DDP) replace Parameter objects but keep the modules."""
+    if "layouts" not in module.__dict__:
+        module.layouts = {}
+    module.layouts[name] = Layout(**layout)
+
+
+def layout_of(module, name):
+    """The `Layout` of `module`'s own parameter `name` (a whole, N(0, 0.02) one if unset)."""
+    return module.__dict__.get("layouts", {}).get(name, Layout())
+
+
 def split_rows(shape, split_dim, p, name="out_features"):
     """The `RowSplit` of a tensor whose dim 0 flattens `shape`, split along `split_dim` of it
     into p equal slices, slice r on rank r (gate and up `(2, m)` along m)."""
@@ -68,47 +110,34 @@ def split_rows(shape, split_dim, p, name="out_features"):
     return RowSplit(torch.stack([c.flatten() for c in ids.chunk(p, dim=split_dim)]))
 
 
-def mark_tensor_parallel(param, dim, rows=None):
-    """`param.tensor_parallel_dim`: the dim split over the TP ranks (None: every rank holds it
-    whole); `param.tensor_parallel_rows`: a `RowSplit` when dim 0 is split unevenly. Whatever
-    must treat parameters differently (checkpoints, gradient norms, checks) reads these marks,
-    never a parameter's name. Returns `param`."""
-    param.tensor_parallel_dim = dim
-    if rows is not None:
-        param.tensor_parallel_rows = rows
-    return param
-
-
-def full_shape(param, tp_size, layout=None):
-    """The shape of the whole parameter of which `param` is this rank's shard (`layout`: an
-    object carrying the marks instead of `param`)."""
-    marks, shape = layout or param, list(param.shape)
-    if getattr(marks, "tensor_parallel_rows", None) is not None:
-        shape[0] = int(marks.tensor_parallel_rows.rows.max()) + 1
-    elif getattr(marks, "tensor_parallel_dim", None) is not None:
-        shape[marks.tensor_parallel_dim] *= tp_size
+def full_shape(local, layout, tp_size):
+    """The shape of the whole tensor of which `local` is this rank's shard."""
+    shape = list(local.shape)
+    if layout.rows is not None:
+        shape[0] = int(layout.rows.rows.max()) + 1
+    elif layout.dim is not None:
+        shape[layout.dim] *= tp_size
     return shape
 
 
-def shard(full, param, group, layout=None):
-    """This rank's part of the full tensor `full`, in `param`'s marks (or `layout`'s)."""
-    marks, p = layout or param, group_size(group)
-    if getattr(marks, "tensor_parallel_dim", None) is None or p == 1:
+def shard(full, layout, group):
+    """This rank's part of the full tensor `full`, as `layout` splits it."""
+    if layout.dim is None or group_size(group) == 1:
         return full
-    if getattr(marks, "tensor_parallel_rows", None) is not None:
-        return full[marks.tensor_parallel_rows.rows[group_rank(group)].to(full.device)]
-    return full.chunk(p, dim=marks.tensor_parallel_dim)[group_rank(group)]
+    if layout.rows is not None:
+        return full[layout.rows.rows[group_rank(group)].to(full.device)]
+    return full.chunk(group_size(group), dim=layout.dim)[group_rank(group)]
 
 
 @torch.no_grad()
-def init_from_full_(param, init, group):
+def init_from_full_(param, layout, init, group):
     """Fill `param` with this rank's part of one full tensor that `init(full)` fills in place:
     every rank draws the same full tensor (same generator state) and keeps its part, so the
     shards together are the unsplit layer's init, and the generators stay in step."""
-    full = torch.empty(full_shape(param, group_size(group)), device=param.device,
+    full = torch.empty(full_shape(param, layout, group_size(group)), device=param.device,
                        dtype=param.dtype)
     init(full)
-    return param.copy_(shard(full, param, group))
+    return param.copy_(shard(full, layout, group))
 
 
 def flat(t):
@@ -122,7 +151,7 @@ def bias_grad(dy):
 
 
 # ----------------------------------------------------------------------------------------------
-# Column parallel: all-gather + GEMM
+# Column parallel under SP: all-gather + GEMM
 # ----------------------------------------------------------------------------------------------
 class _AllGatherGemm(torch.autograd.Function):
     """forward: all-gather(seq) then GEMM; backward: GEMM then reduce-scatter(seq).
@@ -140,7 +169,8 @@ class _AllGatherGemm(torch.autograd.Function):
     def forward(ctx, x_local, weight, bias, group):
         x_full, _ = all_gather_seq(x_local, group)
         ctx.save_for_backward(x_local, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group = group
+        ctx.has_bias = bias is not None
         return F.linear(x_full, weight, bias)  # [s, b, out/p]
 
     @staticmethod
@@ -160,32 +190,23 @@ class _AllGatherGemm(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Row parallel: GEMM + reduce-scatter
+# Row parallel under SP: GEMM + reduce-scatter
 # ----------------------------------------------------------------------------------------------
-def reduced_bias_grad(dy_local, group):
-    """The bias is added after the reduce-scatter, to this rank's s/p rows only, so each rank's
-    bias gradient covers its own rows: sum them over the group to get the full gradient."""
-    return all_reduce_(bias_grad(dy_local), group)
-
-
-def finish_row_forward(ctx, y_local, x, weight, bias, group):
-    """The tail both row forwards share: add the replicated bias to this rank's rows (once,
-    after the sum), and keep what backward needs."""
-    if bias is not None:
-        y_local = y_local + bias
-    ctx.save_for_backward(x, weight)
-    ctx.group, ctx.has_bias = group, bias is not None
-    return y_local
-
-
 class _GemmReduceScatter(torch.autograd.Function):
-    """forward: GEMM then reduce-scatter(seq); backward: all-gather(seq) then GEMMs."""
+    """forward: GEMM then reduce-scatter(seq), then the bias; backward: all-gather(seq) then
+    GEMMs. The bias is replicated and added after the reduce-scatter, to this rank's s/p rows
+    only, so each rank's bias gradient covers its own rows: summed over the group."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         y_partial = F.linear(x, weight)  # [s, b, out], a partial sum over the in/p slices
         y_local, _ = reduce_scatter_seq(y_partial, group)  # [s/p, b, out]
-        return finish_row_forward(ctx, y_local, x, weight, bias, group)
+        if bias is not None:
+            y_local = y_local + bias
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        ctx.has_bias = bias is not None
+        return y_local
 
     @staticmethod
     def backward(ctx, dy_local):
@@ -193,82 +214,102 @@ class _GemmReduceScatter(torch.autograd.Function):
         dy, _ = all_gather_seq(dy_local.contiguous(), ctx.group)  # [s, b, out]
         dx = dy.matmul(weight)  # [s, b, in/p]
         dw = flat(dy).t().mm(flat(x))  # [out, in/p]
-        db = reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        db = all_reduce_(bias_grad(dy_local), ctx.group) if ctx.has_bias else None
         return dx, dw, db, None
 
 
 # ----------------------------------------------------------------------------------------------
 # The two operations as functions, and the Modules that hold their weight shards
 # ----------------------------------------------------------------------------------------------
-def column_parallel_linear(x, weight, bias, group, overlap=False, ring_pieces=1):
-    """All-gather the sequence, then `x W^T + b` with this rank's rows of W.
+def column_parallel_linear(x, weight, bias, group, *, sequence_parallel=True, overlap=False,
+                           ring_pieces=1):
+    """`x W^T + b` with this rank's rows of W: `[.., out/p]`.
 
-    x `[s/p, b, in]` (this rank's sequence rows), weight `[out/p, in]`, bias `[out/p]` or None
-    -> `[s, b, out/p]`. Backward: dX reduce-scattered back to `[s/p, b, in]`. `overlap=True`
-    runs the ring version (ring.py), each chunk cut into `ring_pieces` transfers. A group of
-    one rank (or None) is a plain `F.linear`.
+    Under SP, x `[s/p, b, in]` (this rank's sequence rows) is all-gathered first -> `[s, b,
+    out/p]` (backward: dX reduce-scattered); `overlap=True` runs the ring version (ring.py),
+    each chunk cut into `ring_pieces` transfers. Without SP, x `[.., in]` is whole on every
+    rank and enters through `f` (backward: dX all-reduced). weight `[out/p, in]`, bias
+    `[out/p]` or None. A group of one rank (or None) is a plain `F.linear`.
     """
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
-    if not overlap:
-        return _AllGatherGemm.apply(x, weight, bias, group)
-    from .ring import RingAllGatherGemm  # the overlap, read last: a client of these layers
-    return RingAllGatherGemm.apply(x, weight, bias, group, ring_pieces)
+    if not sequence_parallel:
+        return F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
+    if overlap:
+        return RingAllGatherGemm.apply(x, weight, bias, group, ring_pieces)
+    return _AllGatherGemm.apply(x, weight, bias, group)
 
 
-def row_parallel_linear(x, weight, bias, group, overlap=False, ring_pieces=1):
-    """`x W^T` with this rank's columns of W, reduce-scattered along the sequence, plus b.
+def row_parallel_linear(x, weight, bias, group, *, sequence_parallel=True, overlap=False,
+                        ring_pieces=1):
+    """`x W^T` with this rank's columns of W, summed over the group, plus b (replicated, added
+    once, after the sum).
 
-    x `[s, b, in/p]` (this rank's features), weight `[out, in/p]`, bias `[out]` (replicated)
-    or None -> `[s/p, b, out]`, this rank's rows of the sum over ranks. Backward: dY is
-    all-gathered along the sequence. s must be a multiple of the group size. `overlap`,
+    x `[.., in/p]` (this rank's features), weight `[out, in/p]`, bias `[out]` or None. Under
+    SP, x is `[s, b, in/p]` and the sum is reduce-scattered along the sequence -> `[s/p, b,
+    out]`, this rank's rows (backward: dY all-gathered); s must be a multiple of the group
+    size. Without SP the sum is `g`'s all-reduce -> `[.., out]` on every rank. `overlap`,
     `ring_pieces`: as in `column_parallel_linear`. A group of one rank (or None) is a plain
     `F.linear`.
     """
     p = group_size(group)
     if p == 1:
         return F.linear(x, weight, bias)
+    if not sequence_parallel:
+        y = reduce_from_tensor_parallel_region(F.linear(x, weight), group)
+        return y if bias is None else y + bias
     check_divisible("sequence length", x.shape[0], p, "pad the sequence (the Transformer does)")
-    if not overlap:
-        return _GemmReduceScatter.apply(x, weight, bias, group)
-    from .ring import GemmRingReduceScatter
-    return GemmRingReduceScatter.apply(x, weight, bias, group, ring_pieces)
+    if overlap:
+        return GemmRingReduceScatter.apply(x, weight, bias, group, ring_pieces)
+    return _GemmReduceScatter.apply(x, weight, bias, group)
 
 
 class _ParallelLinear(nn.Module):
-    def __init__(self, in_features, out_features, tp_group, bias, overlap, ring_pieces,
-                 split_dim, device=None, dtype=None, init_weights=True, rows=None):
+    """What the column and row layers share: the weight shard `[out_rows, in_cols]`, its
+    layout, the switches, nn.Linear's init of the full weight (`init_weights`)."""
+
+    def __init__(self, in_features, out_features, *, tp_group, bias, split_dim, out_rows,
+                 in_cols, rows=None, sequence_parallel=True, overlap=False, ring_pieces=1,
+                 device=None, dtype=None, init_weights=True):
         super().__init__()
-        p = group_size(tp_group)
-        if rows is not None:  # this rank's rows, in its order
-            out_rows = rows.rows.shape[1]
-        else:
-            check_divisible("out_features" if split_dim == 0 else "in_features",
-                            (out_features, in_features)[split_dim], p)
-            out_rows = out_features // p if split_dim == 0 else out_features
-        self.in_features, self.out_features = in_features, out_features
-        self.tp_group, self.tp_size, self.overlap = tp_group, p, overlap
+        if overlap and not sequence_parallel:
+            raise ValueError("overlap=True with sequence_parallel=False: the ring moves "
+                             "sequence chunks; turn sequence parallelism on, or overlap off")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.sequence_parallel = sequence_parallel
+        self.overlap = overlap
         self.ring_pieces = ring_pieces
-        shape = [out_rows, in_features // p if split_dim == 1 else in_features]
-        self.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), split_dim, rows)
+        self.weight = nn.Parameter(torch.empty(out_rows, in_cols, device=device, dtype=dtype))
+        set_layout(self, "weight", dim=split_dim, rows=rows)
         self.bias = None
         if bias:  # a column layer's bias is split with its rows; a row layer's is replicated
-            self.bias = mark_tensor_parallel(
-                nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype)),
-                0 if split_dim == 0 else None, rows)
+            self.bias = nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype))
+            set_layout(self, "bias", dim=0 if split_dim == 0 else None, rows=rows)
         if init_weights:  # nn.Linear's init of the *full* weight; this rank keeps its slice
             bound = 1 / math.sqrt(in_features)
-            init_from_full_(self.weight, lambda full: nn.init.uniform_(full, -bound, bound),
-                            tp_group)
+
+            def uniform(full):
+                nn.init.uniform_(full, -bound, bound)
+
+            init_from_full_(self.weight, layout_of(self, "weight"), uniform, tp_group)
+
+    def switches(self):
+        """The keyword arguments this layer passes to its operation."""
+        return dict(sequence_parallel=self.sequence_parallel, overlap=self.overlap,
+                    ring_pieces=self.ring_pieces)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp_size={self.tp_size}, bias={self.bias is not None}, overlap={self.overlap}")
+                f"tp_size={self.tp_size}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    """Input `[s/p, b, in]` (sequence shard) -> output `[s, b, out/p]` (feature shard).
+    """Input `[s/p, b, in]` (sequence shard; without SP `[.., in]`, whole) -> output `[s, b,
+    out/p]` (feature shard; without SP `[.., out/p]`).
 
     Weight shard `[out/p, in]` = rows r*out/p:(r+1)*out/p of the full weight; bias `[out/p]`.
 
@@ -283,70 +324,109 @@ class ColumnParallelLinear(_ParallelLinear):
     way the shard is one `[rows, in]` weight: one GEMM, whose output `[s, b, rows]` the
     caller unflattens into its part of the shape.
 
+    `sequence_parallel` (default True), `overlap`, `ring_pieces`: see `column_parallel_linear`.
     `init_weights`: draw the full weight as nn.Linear does and keep this rank's slice (a model
     that draws all its weights at once, as `Transformer` does, passes False).
     """
 
-    def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 ring_pieces=1, split_dim=0, rows=None, device=None, dtype=None,
-                 init_weights=True):
+    def __init__(self, in_features, out_features, *, tp_group, bias=False, split_dim=0,
+                 rows=None, sequence_parallel=True, overlap=False, ring_pieces=1, device=None,
+                 dtype=None, init_weights=True):
+        p = group_size(tp_group)
         shaped = not isinstance(out_features, int)
         if not shaped and split_dim != 0:
             raise ValueError(f"split_dim={split_dim} with out_features={out_features}: it "
                              f"describes an output shape; give out_features as a tuple, or "
                              f"leave it at 0")
         if shaped:
-            rows = split_rows(out_features, split_dim, group_size(tp_group))
-        super().__init__(in_features, out_features, tp_group, bias, overlap, ring_pieces, 0,
-                         device, dtype, init_weights, rows)
+            rows = split_rows(out_features, split_dim, p)
+        if rows is None:
+            check_divisible("out_features", out_features, p)
+            out_rows = out_features // p
+        else:  # this rank's rows, in its order
+            out_rows = rows.rows.shape[1]
+        super().__init__(in_features, out_features, tp_group=tp_group, bias=bias, split_dim=0,
+                         out_rows=out_rows, in_cols=in_features, rows=rows,
+                         sequence_parallel=sequence_parallel, overlap=overlap,
+                         ring_pieces=ring_pieces, device=device, dtype=dtype,
+                         init_weights=init_weights)
         self.shared = None if rows is None else rows.shared(group_rank(tp_group))
 
-    def forward(self, x):
+    def shard_weights(self):
+        """This rank's weight and bias as the GEMM uses them: the rows other ranks hold too
+        enter through `f` over their holders."""
         weight, bias = self.weight, self.bias
-        if self.shared is not None:  # rows other ranks hold too: `f` over their holders
+        if self.shared is not None:
             weight = copy_to_row_holders(weight, self.shared, self.tp_group)
             if bias is not None:
                 bias = copy_to_row_holders(bias, self.shared, self.tp_group)
-        return column_parallel_linear(x, weight, bias, self.tp_group, self.overlap,
-                                      self.ring_pieces)
+        return weight, bias
+
+    def gemm(self, x):
+        """The layer's work on this rank without its collective: x `[.., in]` whole (already
+        gathered) -> `[.., rows]` (for a client that places the transfer itself: halves/)."""
+        return F.linear(x, *self.shard_weights())
+
+    def forward(self, x):
+        weight, bias = self.shard_weights()
+        return column_parallel_linear(x, weight, bias, self.tp_group, **self.switches())
 
 
 class RowParallelLinear(_ParallelLinear):
-    """Input `[s, b, in/p]` (feature shard) -> output `[s/p, b, out]` (sequence shard).
+    """Input `[s, b, in/p]` (feature shard) -> output `[s/p, b, out]` (sequence shard; without
+    SP `[.., out]`, whole on every rank).
 
     Weight shard `[out, in/p]` = columns r*in/p:(r+1)*in/p of the full weight; the bias `[out]`
-    is replicated and added after the reduce-scatter (its gradient is summed over the group).
-    `init_weights`: as for ColumnParallelLinear.
+    is replicated and added after the sum (under SP its gradient is summed over the group).
+    `sequence_parallel`, `overlap`, `ring_pieces`, `init_weights`: as for ColumnParallelLinear.
     """
 
-    def __init__(self, in_features, out_features, *, tp_group, bias=False, overlap=False,
-                 ring_pieces=1, device=None, dtype=None, init_weights=True):
-        super().__init__(in_features, out_features, tp_group, bias, overlap, ring_pieces, 1,
-                         device, dtype, init_weights)
+    def __init__(self, in_features, out_features, *, tp_group, bias=False,
+                 sequence_parallel=True, overlap=False, ring_pieces=1, device=None, dtype=None,
+                 init_weights=True):
+        p = group_size(tp_group)
+        check_divisible("in_features", in_features, p)
+        super().__init__(in_features, out_features, tp_group=tp_group, bias=bias, split_dim=1,
+                         out_rows=out_features, in_cols=in_features // p,
+                         sequence_parallel=sequence_parallel, overlap=overlap,
+                         ring_pieces=ring_pieces, device=device, dtype=dtype,
+                         init_weights=init_weights)
+
+    def gemm(self, x):
+        """The layer's work on this rank without its collective: x `[.., in/p]` -> the partial
+        sum `[.., out]`, without the bias (added once, after the sum)."""
+        return F.linear(x, self.weight)
 
     def forward(self, x):
-        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, self.overlap,
-                                   self.ring_pieces)
+        return row_parallel_linear(x, self.weight, self.bias, self.tp_group, **self.switches())
 
 
-def column_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
-                             bias=False, split_dim=0, rows=None):
+def column_parallel_or_plain(in_features, out_features, tp_group=None, *, bias=False,
+                             split_dim=0, rows=None, init_std=DEFAULT_INIT_STD, **switches):
     """`nn.Linear` for the non-TP baseline (tp_group=None; a shaped `out_features` flattened),
-    else a ColumnParallelLinear whose weights the model draws (`init_weights=False`). Either
-    way the output is `[..., rows]` with the rows in the same order."""
+    else a ColumnParallelLinear whose weights the model draws (`init_weights=False`; `switches`:
+    `sequence_parallel`, `overlap`, `ring_pieces`). Either way the output is `[..., rows]` with
+    the rows in the same order."""
     if tp_group is None:
-        rows = out_features if isinstance(out_features, int) else math.prod(out_features)
-        return nn.Linear(in_features, rows, bias=bias)
-    return ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                overlap=overlap, split_dim=split_dim, rows=rows,
-                                init_weights=False)
+        n = out_features if isinstance(out_features, int) else math.prod(out_features)
+        layer = nn.Linear(in_features, n, bias=bias)
+    else:
+        layer = ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
+                                     split_dim=split_dim, rows=rows, init_weights=False,
+                                     **switches)
+    split = layout_of(layer, "weight")
+    set_layout(layer, "weight", dim=split.dim, rows=split.rows, init_std=init_std)
+    return layer
 
 
-def row_parallel_or_plain(in_features, out_features, tp_group=None, overlap=False,
-                          bias=False):
+def row_parallel_or_plain(in_features, out_features, tp_group=None, *, bias=False,
+                          init_std=DEFAULT_INIT_STD, **switches):
     """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear whose
     weights the model draws (`init_weights=False`)."""
     if tp_group is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                             overlap=overlap, init_weights=False)
+        layer = nn.Linear(in_features, out_features, bias=bias)
+    else:
+        layer = RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
+                                  init_weights=False, **switches)
+    set_layout(layer, "weight", dim=layout_of(layer, "weight").dim, init_std=init_std)
+    return layer

@@ -1,6 +1,7 @@
 """The overlap, read after the working model: the P2P ring, which moves sequence chunks rank to
 rank while computing, and the column and row layers' overlapped Functions built on it
-(`parallel_linear.column_parallel_linear` / `row_parallel_linear` run them for overlap=True).
+(`parallel_linear.column_parallel_linear` / `row_parallel_linear` run them for overlap=True;
+this file imports nothing of the layers, so the arrow runs one way).
 
 A whole all-gather (or reduce-scatter) is one collective the GEMM must wait for. Cut into
 p - 1 ring steps, each step's transfer can run while the GEMM of a chunk that is already here
@@ -32,8 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .comm import group_rank, group_size, send_recv
-from .parallel_linear import bias_grad, finish_row_forward, flat, reduced_bias_grad
+from .comm import all_reduce_, group_rank, group_size, send_recv
 
 
 class Ring:
@@ -49,9 +49,12 @@ class Ring:
     """
 
     def __init__(self, group, pieces=1):
-        self.group, self.pieces = group, int(pieces)
-        self.size, self.rank = group_size(group), group_rank(group)
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.group = group
+        self.pieces = int(pieces)
+        self.size = group_size(group)
+        self.rank = group_rank(group)
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
 
     def block_rows(self, chunk_rows):
         """The rows of one piece of a chunk of `chunk_rows` rows (pieces must divide them)."""
@@ -145,6 +148,11 @@ def ring_reduce_scatter(chunk_producer, ring):
 # ----------------------------------------------------------------------------------------------
 # The column and row layers' overlapped Functions (parallel_linear.py runs them for overlap=True)
 # ----------------------------------------------------------------------------------------------
+def flat(t):
+    """[s, b, n] -> [s*b, n] view (the GEMMs are plain 2-D matmuls)."""
+    return t.reshape(-1, t.shape[-1])
+
+
 def linear_into(out, x, weight, bias):
     """out = x @ weight^T + bias, written into `out` (a slice of a bigger tensor) directly."""
     if bias is None:
@@ -168,10 +176,15 @@ class RingAllGatherGemm(torch.autograd.Function):
         rows = ring.block_rows(x_local.shape[0])  # of one block (a piece of a chunk)
         y = x_local.new_empty((x_local.shape[0] * ring.size, *x_local.shape[1:-1],
                                weight.shape[0]))
-        ring_all_gather(x_local,
-                        lambda i, x_i: linear_into(y[i * rows:(i + 1) * rows], x_i, weight, bias), ring)
+
+        def consume(i, x_i):
+            linear_into(y[i * rows:(i + 1) * rows], x_i, weight, bias)
+
+        ring_all_gather(x_local, consume, ring)
         ctx.save_for_backward(x_local, weight)
-        ctx.group, ctx.pieces, ctx.has_bias = group, pieces, bias is not None
+        ctx.group = group
+        ctx.pieces = pieces
+        ctx.has_bias = bias is not None
         return y
 
     @staticmethod
@@ -180,12 +193,20 @@ class RingAllGatherGemm(torch.autograd.Function):
         ring = Ring(ctx.group, ctx.pieces)
         dy = dy.contiguous()
         rows = ring.block_rows(x_local.shape[0])
-        dy_block = lambda i: dy[i * rows:(i + 1) * rows]  # noqa: E731
+
+        def dy_block(i):
+            return dy[i * rows:(i + 1) * rows]
+
+        def add_weight_grad(i, x_i):
+            dw.add(dy_block(i), x_i)
+
+        def produce_dx(i):
+            return dy_block(i).matmul(weight)
 
         dw = WeightGradAccumulator(weight)
-        ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
-        dx_local = ring_reduce_scatter(lambda i: dy_block(i).matmul(weight), ring)
-        db = bias_grad(dy) if ctx.has_bias else None
+        ring_all_gather(x_local, add_weight_grad, ring)
+        dx_local = ring_reduce_scatter(produce_dx, ring)
+        db = flat(dy).sum(dim=0) if ctx.has_bias else None
         return dx_local, dw.result(), db, None, None
 
 
@@ -202,9 +223,18 @@ class GemmRingReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, pieces):
         ring = Ring(group, pieces)
         rows = ring.block_rows(x.shape[0] // ring.size)
-        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * rows:(i + 1) * rows], weight), ring)
+
+        def produce(i):
+            return F.linear(x[i * rows:(i + 1) * rows], weight)
+
+        y_local = ring_reduce_scatter(produce, ring)
+        if bias is not None:  # replicated: added once, to this rank's rows of the sum
+            y_local = y_local + bias
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
         ctx.pieces = pieces
-        return finish_row_forward(ctx, y_local, x, weight, bias, group)
+        ctx.has_bias = bias is not None
+        return y_local
 
     @staticmethod
     def backward(ctx, dy_local):
@@ -221,7 +251,9 @@ class GemmRingReduceScatter(torch.autograd.Function):
             dw.add(dy_i, x[i * rows:(i + 1) * rows])
 
         ring_all_gather(dy_local, consume, ring)
-        db = reduced_bias_grad(dy_local, ctx.group) if ctx.has_bias else None
+        db = None
+        if ctx.has_bias:  # each rank's rows' share, summed (see parallel_linear's row layer)
+            db = all_reduce_(flat(dy_local).sum(dim=0), ctx.group)
         return dx, dw.result(), db, None, None
 
 

@@ -11,17 +11,19 @@ b = batch. Rank r owns vocabulary rows `r*V/p:(r+1)*V/p` (its "shard") of
 With `tie_embeddings` both are one weight; the shards line up because both split the same rows.
 
 An id outside the vocabulary would be masked on every rank and silently become a zero
-embedding or a wrong loss: the package's exported layer and loss, and the Transformer, check
-ids and labels before any collective (guards/); the code here assumes they are in range.
+embedding or a wrong loss. Nothing here checks: `guard(model)` (guards/) checks a model's ids
+and labels before any collective; called directly, the layer and the loss assume them in
+range.
 """
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import all_reduce_, group_rank, group_size, reduce_scatter_to_sequence_parallel_region
+from .comm import (all_reduce_, group_rank, group_size, reduce_from_tensor_parallel_region,
+                   reduce_scatter_to_sequence_parallel_region)
 from .config import check_divisible
-from .parallel_linear import init_from_full_, mark_tensor_parallel
+from .parallel_linear import init_from_full_, layout_of, set_layout
 
 
 def vocab_range(vocab_size, group):
@@ -32,40 +34,51 @@ def vocab_range(vocab_size, group):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split over the TP ranks, output sequence-parallel.
+    """Token embedding with the vocabulary split over the TP ranks.
 
-    input_ids `[s, b]`, the same on every rank  ->  `[s/p, b, h]`, this rank's sequence rows.
-    Weight shard `[V/p, h]` = rows r*V/p:(r+1)*V/p of the full table (`tensor_parallel_dim=0`).
+    input_ids `[s, b]`, the same on every rank  ->  `[s/p, b, h]`, this rank's sequence rows
+    (`sequence_parallel=False`: ids `[...]` -> `[..., h]`, the whole lookup on every rank).
+    Weight shard `[V/p, h]` = rows r*V/p:(r+1)*V/p of the full table (its layout: dim 0).
 
     Each rank looks up every token in its own shard; a token outside it gets zeros. Exactly one
     rank finds each token, so the sum over ranks is the full lookup: a reduce-scatter along the
     sequence both forms that sum and leaves each rank its s/p rows of it, in one collective
-    (backward: all-gather, its conjugate). The weight's gradient needs no reduction: the
-    all-gather gives every rank the gradient of all tokens, and the lookup's backward keeps
-    those of its own vocabulary rows.
+    (backward: all-gather, its conjugate); without SP, `g`'s all-reduce forms it on every rank
+    (backward: identity). The weight's gradient needs no reduction: every rank gets the
+    gradient of all tokens, and the lookup's backward keeps those of its own vocabulary rows.
 
     `init_weights`: draw the full table as nn.Embedding does and keep this rank's rows (a
     model that draws all its weights at once passes False).
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, tp_group, device=None, dtype=None,
-                 init_weights=True):
+    def __init__(self, num_embeddings, embedding_dim, *, tp_group, sequence_parallel=True,
+                 device=None, dtype=None, init_weights=True):
         super().__init__()
         p = group_size(tp_group)
         check_divisible("num_embeddings", num_embeddings, p)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
-        self.weight = mark_tensor_parallel(nn.Parameter(
-            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype)), 0)
-        if init_weights:
-            init_from_full_(self.weight, nn.init.normal_, tp_group)  # nn.Embedding's default
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype))
+        set_layout(self, "weight", dim=0)
+        if init_weights:  # nn.Embedding's default, N(0, 1)
+            init_from_full_(self.weight, layout_of(self, "weight"), nn.init.normal_, tp_group)
 
-    def forward(self, input_ids):
+    def lookup(self, input_ids):
+        """ids `[...]` -> `[..., h]`: each id's row if this rank holds it, zeros otherwise (the
+        sum over the ranks is the whole lookup; halves/ sums it itself)."""
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)  # any valid row
-        x = F.embedding(local_ids, self.weight)  # [s, b, h]
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # not ours: another rank adds it
+        x = F.embedding(local_ids, self.weight)  # [..., h]
+        return x.masked_fill(outside.unsqueeze(-1), 0.0)  # not ours: another rank adds it
+
+    def forward(self, input_ids):
+        x = self.lookup(input_ids)  # [s, b, h], a partial sum over the ranks
+        if not self.sequence_parallel:
+            return reduce_from_tensor_parallel_region(x, self.tp_group)  # [..., h]
         return reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/p, b, h]
 
     def extra_repr(self):

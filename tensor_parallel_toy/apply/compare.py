@@ -44,9 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..guards.collectives import reduce_numbers
-from ..parallel_linear import ColumnParallelLinear
-from ..parallel_linear import shard
-from ..support.sharding import tensor_parallel_rows
+from ..parallel_linear import ColumnParallelLinear, layout_of, shard
+from ..support.sharding import layouts
 from .layers import PlannedColumn, PlannedRow
 from .random import random_stream
 
@@ -189,7 +188,7 @@ def _faulty_regions(reference, tp, batch, loss_fn, seed, group):
             continue
         if next(rows) > tol:
             suspects += [n for n in region if n not in suspects and
-                         tensor_parallel_rows(modules[n].weight) is None]
+                         layout_of(modules[n], "weight").rows is None]
         region = []
     return suspects
 
@@ -224,6 +223,7 @@ def compare_with_one_device(build_model, parallelize, batch, loss_fn, *, tp_grou
     keys, errs = ["loss"], {k: [abs(v - ref_loss) / max(abs(ref_loss), 1e-30)]
                             for k, v in losses.items()}
     tp_params = dict(models["tp"].named_parameters())
+    tp_layouts = layouts(models["tp"])
     extra = sorted(set(tp_params) - set(full))
     if extra:  # a tie undone, or a parameter renamed: nothing to compare it with
         raise ValueError(f"the split model has parameters the one-device model has not: "
@@ -236,7 +236,7 @@ def compare_with_one_device(build_model, parallelize, batch, loss_fn, *, tp_grou
                 errs[kind].append(0.0 if ref.grad is None and param.grad is None
                                   else float("inf"))
                 continue
-            want = shard(ref.grad, param, group) if kind == "tp" else ref.grad
+            want = shard(ref.grad, tp_layouts[name], group) if kind == "tp" else ref.grad
             errs[kind].append(relative_error(param.grad, want))
     worst = {k: reduce_numbers(v, group, op=dist.ReduceOp.MAX) for k, v in errs.items()}
     errors = dict(zip(keys, worst["tp"]))
@@ -251,7 +251,7 @@ def compare_with_one_device(build_model, parallelize, batch, loss_fn, *, tp_grou
     found = _faulty_regions(reference, models["tp"], batch, loss_fn, seed, group)
     if found is None:  # not split by a plan: the plain column layers whose gradients differ
         found = [n for n, m in models["tp"].named_modules()
-                 if isinstance(m, ColumnParallelLinear) and tensor_parallel_rows(m.weight) is None
+                 if isinstance(m, ColumnParallelLinear) and layout_of(m, "weight").rows is None
                  and any(f.startswith(n + ".") for f in result.failures)]
     blame = {n: max((errors[f] for f in result.failures if f.startswith(n + ".")), default=0)
              for n in found}  # worst first

@@ -6,16 +6,20 @@ the front (a view) on the way in, and back (made contiguous, as nn.Linear's outp
 way out. The checks that need the input's shape (the sequence dim exists, p divides the whole
 sequence) come first, before any collective.
 
-    PlannedColumn     ColumnParallelLinear: all-gather(seq) + GEMM, or `f` + GEMM on a whole
-                      input; optionally the features gathered after
+    PlannedColumn     ColumnParallelLinear: all-gather(seq) + GEMM, or (sequence_parallel off)
+                      `f` + GEMM on a whole input; optionally the features gathered after
     PlannedRow        RowParallelLinear: GEMM + reduce-scatter(seq), or GEMM + `g`
     PlannedEmbedding  VocabParallelEmbedding: lookup + reduce-scatter(seq), or lookup + `g`
-    PlannedConvColumn / PlannedConvRow   a 1x1 nn.Conv2d, channels on dim 1: `f` + conv, or
-                      conv + `g` (classic TP only: the whole input, or output, on every rank)
+    PlannedConvColumn / PlannedConvRow   a 1x1 nn.Conv2d, channels on dim 1, as the column or
+                      row layer's operation over the channels (classic TP only: the whole
+                      input, or output, on every rank)
+Each is the kernel's layer with its `sequence_parallel` switch set by the style's layout: the
+GEMMs, collectives and lookups are the kernel's, none written here.
     SequenceParallelDropout   one device's mask, this rank's slice of it
 The TP region (a split column output until the row layer) draws from this rank's own random
 stream (random.py): the column layer enters it, the row layer leaves it.
     gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
+                      (comm.py's sequence-parallel region transitions along dim d)
 """
 from contextlib import nullcontext
 
@@ -24,11 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from ..comm import (all_gather_seq, copy_to_tensor_parallel_region,
-                    gather_from_tensor_parallel_region, group_rank, group_size,
-                    reduce_from_tensor_parallel_region)
-from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, full_shape,
-                               mark_tensor_parallel)
+from ..comm import (gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
+                    group_rank, group_size, scatter_to_sequence_parallel_region)
+from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
+                               full_shape, layout_of, row_parallel_linear)
 from ..vocab_parallel import VocabParallelEmbedding
 
 
@@ -56,14 +59,18 @@ class PlannedColumn(ColumnParallelLinear):
     def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
                  split_dim, where):
         super().__init__(linear.in_features, output_shape or linear.out_features,
-                         tp_group=tp_group, bias=linear.bias is not None, overlap=overlap,
+                         tp_group=tp_group, bias=linear.bias is not None,
+                         sequence_parallel=input_dim is not None,
+                         overlap=overlap and input_dim is not None,  # the ring needs SP
                          split_dim=split_dim, device=linear.weight.device,
                          dtype=linear.weight.dtype, init_weights=False)
-        self.input_dim, self.gather_output, self.where = input_dim, gather_output, where
+        self.input_dim = input_dim
+        self.gather_output = gather_output
+        self.where = where
 
     def forward(self, x):
-        if self.input_dim is None:  # the whole input on every rank: classic TP
-            y = F.linear(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        if not self.sequence_parallel:  # the whole input on every rank: classic TP, `f` + GEMM
+            y = super().forward(x)
         else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
             x = to_sequence_first(x, self.input_dim, self.tp_size, self.where)
             y = super().forward(x).transpose(0, self.input_dim).contiguous()
@@ -82,16 +89,17 @@ class PlannedRow(RowParallelLinear):
 
     def __init__(self, linear, tp_group, overlap, output_dim, where):
         super().__init__(linear.in_features, linear.out_features, tp_group=tp_group,
-                         bias=linear.bias is not None, overlap=overlap,
-                         device=linear.weight.device, dtype=linear.weight.dtype, init_weights=False)
-        self.output_dim, self.where = output_dim, where
+                         bias=linear.bias is not None, sequence_parallel=output_dim is not None,
+                         overlap=overlap and output_dim is not None, device=linear.weight.device, dtype=linear.weight.dtype,
+                         init_weights=False)
+        self.output_dim = output_dim
+        self.where = where
 
     def forward(self, x):
         if self.random_stream is not None:
             self.random_stream.leave()
-        if self.output_dim is None:  # `g`: every rank gets the whole sum, then the bias once
-            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
-            return y if self.bias is None else y + self.bias
+        if not self.sequence_parallel:  # GEMM + `g`: the whole sum on every rank, bias once
+            return super().forward(x)
         x = to_sequence_first(x, self.output_dim, self.tp_size, self.where, whole=True)
         return super().forward(x).transpose(0, self.output_dim).contiguous()
 
@@ -102,51 +110,52 @@ class PlannedEmbedding(VocabParallelEmbedding):
 
     def __init__(self, embedding, tp_group, output_dim, where):
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group,
+                         sequence_parallel=output_dim is not None,
                          device=embedding.weight.device, dtype=embedding.weight.dtype,
                          init_weights=False)
-        self.output_dim, self.where = output_dim, where
+        self.output_dim = output_dim
+        self.where = where
 
     def forward(self, ids):
-        if self.output_dim is None:  # this rank's rows looked up, the rest zeros, summed by `g`
-            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-            x = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
-            return reduce_from_tensor_parallel_region(x.masked_fill(outside.unsqueeze(-1), 0.0),
-                                                      self.tp_group)  # [..., h]
+        if not self.sequence_parallel:  # lookup + `g`: [..., h] on every rank
+            return super().forward(ids)
         ids = to_sequence_first(ids, self.output_dim, group_size(self.tp_group), self.where,
                             whole=True)
         return super().forward(ids).transpose(0, self.output_dim).contiguous()
 
 
-def _conv_layout(param):
-    """A layer's `[rows, cols]` weight as a 1x1 convolution's `[rows, cols, 1, 1]`, its marks
-    kept: checkpoints and gradients then read as the nn.Conv2d's own."""
-    rows = getattr(param, "tensor_parallel_rows", None)
-    return mark_tensor_parallel(nn.Parameter(param.detach()[..., None, None]),
-                                param.tensor_parallel_dim, rows)
-
-
 def _conv_repr(layer):
     """The convolution's own terms in print(model), not the Linear's features it is built on."""
-    full = full_shape(layer.weight, layer.tp_size)
+    full = full_shape(layer.weight, layout_of(layer, "weight"), layer.tp_size)
     return f"1x1 Conv2d, full weight {full}, tp_size={layer.tp_size}"
+
+
+def _as_conv(weight):
+    """A layer's `[rows, cols]` weight as a 1x1 convolution's `[rows, cols, 1, 1]` (a view):
+    checkpoints and gradients then read as the nn.Conv2d's own."""
+    return weight[..., None, None]
 
 
 class PlannedConvColumn(ColumnParallelLinear):
     """A 1x1 nn.Conv2d split by output channels, classic TP: `[B, in, H, W]` whole on every rank
     -> `[B, out/p, H, W]`. A 1x1 convolution is a Linear over the channels (dim 1) at every
-    pixel, so its rows split as a column layer's (an output_shape too); the input enters
-    through `f`. Weight `[out/p, in, 1, 1]`, bias `[out/p]`."""
+    pixel, so its rows split as a column layer's (an output_shape too), and it runs as the
+    column layer's operation (`f` + GEMM) with the channels moved last. Weight
+    `[out/p, in, 1, 1]`, bias `[out/p]`."""
 
     random_stream = None
 
     def __init__(self, conv, tp_group, output_shape, split_dim, where):
         super().__init__(conv.in_channels, output_shape or conv.out_channels, tp_group=tp_group,
                          bias=conv.bias is not None, split_dim=split_dim,
-                         device=conv.weight.device, dtype=conv.weight.dtype, init_weights=False)
-        self.weight, self.where = _conv_layout(self.weight), where
+                         sequence_parallel=False, device=conv.weight.device,
+                         dtype=conv.weight.dtype, init_weights=False)
+        self.weight = nn.Parameter(_as_conv(self.weight.detach()))
+        self.where = where
 
     def forward(self, x):
-        y = F.conv2d(copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
+        y = column_parallel_linear(x.movedim(1, -1), self.weight.flatten(1), self.bias,
+                                   self.tp_group, sequence_parallel=False).movedim(-1, 1)
         if self.random_stream is not None:  # the TP region, as PlannedColumn's
             self.random_stream.enter(y.device)
         return y
@@ -156,22 +165,23 @@ class PlannedConvColumn(ColumnParallelLinear):
 
 class PlannedConvRow(RowParallelLinear):
     """A 1x1 nn.Conv2d split by input channels, classic TP: `[B, in/p, H, W]` -> `[B, out, H,
-    W]` on every rank through `g`, then the bias `[out]` (replicated) once. Weight
-    `[out, in/p, 1, 1]`."""
+    W]` on every rank, the row layer's operation (GEMM + `g`, then the bias `[out]`, replicated,
+    once) with the channels moved last. Weight `[out, in/p, 1, 1]`."""
 
     random_stream = None
 
     def __init__(self, conv, tp_group, where):
         super().__init__(conv.in_channels, conv.out_channels, tp_group=tp_group,
-                         bias=conv.bias is not None, device=conv.weight.device,
-                         dtype=conv.weight.dtype, init_weights=False)
-        self.weight, self.where = _conv_layout(self.weight), where
+                         bias=conv.bias is not None, sequence_parallel=False,
+                         device=conv.weight.device, dtype=conv.weight.dtype, init_weights=False)
+        self.weight = nn.Parameter(_as_conv(self.weight.detach()))
+        self.where = where
 
     def forward(self, x):
         if self.random_stream is not None:
             self.random_stream.leave()
-        y = reduce_from_tensor_parallel_region(F.conv2d(x, self.weight), self.tp_group)
-        return y if self.bias is None else y + self.bias.view(-1, 1, 1)  # [out] on dim 1
+        return row_parallel_linear(x.movedim(1, -1), self.weight.flatten(1), self.bias,
+                                   self.tp_group, sequence_parallel=False).movedim(-1, 1)
 
     extra_repr = _conv_repr
 
@@ -202,53 +212,14 @@ class SequenceParallelDropout(nn.Module):
         return f"p={self.p}, sequence_dim={self.dim}"
 
 
-class _GatherSequence(torch.autograd.Function):
-    """forward: all-gather along the sequence dim `dim` ([.., s/p, ..] -> [.., s, ..] on every
-    rank); backward: this rank's slice of the gradient. Conjugate of _SplitSequence.
-
-    Into a replicated region (PrepareModuleInput / PrepareModuleOutput, Shard(d) ->
-    Replicate()): what follows computes the same thing from the same data on every rank, or
-    sums its partial gradients itself (a column layer's `f`), so the gradient that comes back
-    is whole and the same everywhere, and each rank keeps its own rows of it.
-    """
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        full, _ = all_gather_seq(x.transpose(0, dim), group)
-        return full.transpose(0, dim).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, p = group_rank(ctx.group), group_size(ctx.group)
-        return grad.chunk(p, dim=ctx.dim)[rank].contiguous(), None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """forward: this rank's slice along the sequence dim `dim` (no communication); backward:
-    all-gather of the slices' gradients, the whole gradient of the replicated input, the same
-    on every rank. Conjugate of _GatherSequence (Replicate() -> Shard(d))."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        rank, p = group_rank(group), group_size(group)
-        return x.chunk(p, dim=dim)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        full, _ = all_gather_seq(grad.transpose(0, ctx.dim), ctx.group)
-        return full.transpose(0, ctx.dim).contiguous(), None, None
-
-
 def gather_sequence(x, dim, group):
     """[.., s/p, ..] (dim `dim`) -> [.., s, ..] on every rank; backward: this rank's slice."""
-    return x if group_size(group) == 1 else _GatherSequence.apply(x, dim, group)
+    return gather_from_sequence_parallel_region(x, group, dim)
 
 
 def split_sequence(x, dim, group):
     """[.., s, ..] the same on every rank -> this rank's [.., s/p, ..]; backward: all-gather."""
-    return x if group_size(group) == 1 else _SplitSequence.apply(x, dim, group)
+    return scatter_to_sequence_parallel_region(x, group, dim)
 
 
 def redistribute(x, have, want, group, where):

@@ -111,8 +111,7 @@ from ..guards.guard import guard
 from ..comm import group_size
 from ..config import check_divisible
 from ..guards.replicated_grads import check_every_option
-from ..parallel_linear import shard
-from ..support.sharding import record_layouts, tensor_parallel_dim
+from ..parallel_linear import layout_of, shard
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
 from .coverage import check_at_first_forward, check_plan_coverage
@@ -329,17 +328,19 @@ def _copy_shards(old, new, group):
     converted in this call or a later one, gets the same Parameter again."""
     for pname, param in list(new.named_parameters(recurse=False)):
         full = getattr(old, pname)
+        layout = layout_of(new, pname)
         twin = getattr(full, "split_into", None)
         if twin is not None:
-            split, split_name = twin
-            if split.shape != param.shape or tensor_parallel_dim(split) != tensor_parallel_dim(param):
+            split, split_name, split_owner = twin
+            if split.shape != param.shape or \
+                    layout_of(split_owner, split_name.rsplit(".", 1)[-1]).dim != layout.dim:
                 raise ValueError(f"{split_name} and {new.where}.{pname} are one tied weight split "
                                  f"two ways ({list(split.shape)} and {list(param.shape)}); split "
                                  f"both the same way (e.g. both by vocabulary rows)")
             setattr(new, pname, split)
             continue
-        param.copy_(shard(full.detach(), param, group))
-        full.split_into = (param, f"{new.where}.{pname}")
+        param.copy_(shard(full.detach(), layout, group))
+        full.split_into = (param, f"{new.where}.{pname}", new)
 
 
 def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
@@ -387,7 +388,6 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
                 _become(mod, new)
                 new = mod
         new.plan_style = style
-    record_layouts(module)
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     check_at_first_forward(module)  # local, so before the guard's batch comparison
     watch_sums(module)

@@ -34,6 +34,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, RowwiseParallel, Sequenc
 from tensor_parallel_toy.apply.compare import relative_error
 from tensor_parallel_toy import launch
 from tensor_parallel_toy.parallel_linear import shard
+from tensor_parallel_toy.support.sharding import layouts
 
 
 @dataclass
@@ -204,11 +205,12 @@ def against_torch(config, group):
     worst = relative_error(loss_ours, loss_theirs.full_tensor()
                            if isinstance(loss_theirs, DTensor) else loss_theirs)
     mine = dict(ours.named_parameters())
+    split = layouts(ours)
     for name, param in theirs.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
             grad = grad[order.argsort()]
-        worst = max(worst, relative_error(mine[name].grad, shard(grad, mine[name], group)))
+        worst = max(worst, relative_error(mine[name].grad, shard(grad, split[name], group)))
     return worst
 
 

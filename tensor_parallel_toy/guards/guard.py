@@ -48,6 +48,7 @@ from ..vocab_parallel import VocabParallelEmbedding
 from .agreement import (agree_on_batch, check_ranks_agree, check_same_batch_option,
                         module_fingerprint)
 from .batch import check_batch, check_token_ids
+from ..support.sharding import named_layouts
 from .replicated_grads import check_every_option, watch_replicated_gradients
 
 # Set while a guarded module's forward runs, so that a guarded module called inside it (a
@@ -85,6 +86,7 @@ def _integer_tensors(args, kwargs, names):
 
 def _fingerprint(model, tp_group, options):
     fields = dict(options, tp_size=group_size(tp_group), overlap=getattr(model, "overlap", None),
+                  sequence_parallel=getattr(model, "sequence_parallel", None),
                   seed=getattr(model, "seed", None))
     pieces = {m.ring_pieces for m in model.modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
@@ -93,11 +95,11 @@ def _fingerprint(model, tp_group, options):
     config = getattr(model, "config", None)
     if dataclasses.is_dataclass(config):
         fields.update({f"config.{k}": v for k, v in dataclasses.asdict(config).items()})
-    for name, param in model.named_parameters():
-        split = getattr(param, "tensor_parallel_rows", None)
+    for name, param, layout in named_layouts(model):
+        split = layout.rows
         if split is not None:  # ranks may hold the same shape's other rows
             fields[f"split:{name}"] = zlib.crc32(split.rows.numpy().tobytes())
-        if getattr(param, "tensor_parallel_dim", None) is None and \
+        if layout.dim is None and \
                 not isinstance(param, DTensor):  # the same on every rank (DTensor: its own)
             fields[f"sum:{name}"] = repr(param.detach().double().sum().item())
     return module_fingerprint(model, **fields)

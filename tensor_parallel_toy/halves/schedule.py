@@ -48,7 +48,6 @@ import torch
 
 from ..comm import copy_to_tensor_parallel_region, group_size
 from ..model import Transformer, rms_norm
-from ..support.local import between_mlp_layers, column_gemm, row_gemm, vocab_shard_lookup
 from .split_phase import post_all_gather_seq, post_reduce_scatter_seq
 
 
@@ -94,7 +93,7 @@ def norm_weights(norms, group):
     all-reduce per norm and half, each waiting for the other half's transfer still on the
     wire (measured on the modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting). Still
     summed per half, with that cost: the q/k norms inside attention's heads, and the k/v rows
-    several ranks hold (`copy_to_row_holders`, in `column_gemm`)."""
+    several ranks hold (`copy_to_row_holders`, in `ColumnParallelLinear.gemm`)."""
     weights = copy_to_tensor_parallel_region(torch.cat([n.weight for n in norms]), group)
     return dict(zip(norms, weights.split([n.weight.numel() for n in norms])))
 
@@ -108,25 +107,26 @@ def _block(block, x, cos, sin, group, weights):
     between the two GEMMs of attention and of the MLP; `weights`: `norm_weights`."""
     attn, mlp = block.attn, block.mlp
     gathered = yield from _gather(_norm(block.attn_norm, x, weights), group)  # [s, b', h]
-    qkv = column_gemm(attn.qkv, gathered)  # [s, b', qkv rows]
+    qkv = attn.qkv.gemm(gathered)  # [s, b', qkv rows]
     yield
     heads = attn.attend(qkv, cos, sin)  # [s, b', nh*hd/p]
-    x = x + (yield from _scatter(row_gemm(attn.proj, heads), group))
-    first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
+    x = x + (yield from _scatter(attn.proj.gemm(heads), group))
+    first, second = mlp.layers()
     gathered = yield from _gather(_norm(block.mlp_norm, x, weights), group)
-    y = between_mlp_layers(mlp, column_gemm(first, gathered))  # [s, b', m/p]
+    y = mlp.activate(first.gemm(gathered))  # [s, b', m/p]
     yield
-    return x + (yield from _scatter(row_gemm(second, y), group))
+    return x + (yield from _scatter(second.gemm(y), group))
 
 
 def _half(model, ids, weights):
     """`Transformer.sharded_logits` on one half of the batch, ids `[s', b']` -> `[s', b', V/p]`."""
     group = model.tp_group
-    x = yield from _scatter(vocab_shard_lookup(model.embed, ids), group)  # [s'/p, b', h]
+    cos, sin = model.rotary(ids.shape[0])
+    x = yield from _scatter(model.embed.lookup(ids), group)  # [s'/p, b', h]
     for block in model.layers:
-        x = yield from _block(block, x, model.rope_cos, model.rope_sin, group, weights)
+        x = yield from _block(block, x, cos, sin, group, weights)
     gathered = yield from _gather(_norm(model.norm, x, weights), group)
-    return column_gemm(model.head, gathered)
+    return model.head.gemm(gathered)
 
 
 def split_batch_in_halves(t, dim=1):

@@ -1,14 +1,15 @@
 """Generating text with the package's `Transformer`, split over a TP group or on one device, with
-one code path: a client of the kernel (it reads the layers' weight shards and calls the path's
-collectives), not part of it.
+one code path: the model's own forward, given a KV cache (a client of the kernel: it passes the
+cache through `Transformer.hidden_states` into each `Attention`).
 
 Why inference is not the training forward run token by token:
-- A decode step has one new token per sequence, so sequence parallelism has nothing to split.
-  Every rank holds the whole `[b, t, h]` activation between the layers (classic Megatron TP):
-  a column layer is this rank's GEMM on that input, a row layer this rank's GEMM followed by
-  an all-reduce of `[b, t, h]` (two per block, plus one for the embedding), and the logits are
-  gathered along the vocabulary. The prompt (prefill) runs the same way, t = its length: no
-  sequence parallelism there either, so prefill and decode share every line.
+- A decode step has one new token per sequence, so sequence parallelism has nothing to split:
+  generation runs the model's layers with `sequence_parallel` off (classic Megatron TP, the
+  same layers switched): every rank holds the whole `[t, b, h]` activation between the
+  layers, a column layer is `f` and this rank's GEMM, a row layer this rank's GEMM followed by
+  `g`, an all-reduce of `[t, b, h]` (two per block, plus one for the embedding), and the
+  logits are gathered along the vocabulary. The prompt (prefill) runs the same way, t = its
+  length: no sequence parallelism there either, so prefill and decode share every line.
 - Each rank caches the keys and values of its own k/v heads only: `[b, nkv/p, T, hd]` per layer,
   1/p of one device's cache; with fewer k/v heads than ranks, the p/nkv ranks that share a k/v
   head each hold it, one head per rank (`KVCache`).
@@ -22,69 +23,61 @@ Why inference is not the training forward run token by token:
 A batch of prompts of different lengths is left-padded, with an `attention_mask` (1: token,
 0: pad), as `transformers` does it: positions count the tokens only, and no query sees a pad.
 """
-import torch
-import torch.nn.functional as F
+from contextlib import contextmanager
 
-from ..comm import all_gather_dim, all_reduce_, group_size
+import torch
+
+from ..comm import all_gather_dim, gather_from_tensor_parallel_region, group_size
 from ..guards.agreement import RanksDisagreeError, agree_on_batch, by_value, check_ranks_agree
 from ..guards.batch import check_token_ids
-from ..rotary import rotate
-from ..support.local import between_mlp_layers, column_gemm, vocab_shard_lookup
 
 
 class KVCache:
-    """This rank's keys and values, per layer `[b, kv heads here, length, hd]`: the k/v heads its
-    query heads read (nkv/p of them, or one shared head when nkv < p)."""
+    """This rank's keys and values, per attention layer `[b, kv heads here, length, hd]`: the
+    k/v heads its query heads read (nkv/p of them, or one shared head when nkv < p); and, for
+    the tokens being fed, their positions and which keys each may see.
+
+    `Attention.attend` calls `update(attention, k, v)` with the new tokens' keys and values
+    `[b, kv heads here, t, hd]` and gets back every position's so far, and the mask."""
 
     def __init__(self, model, batch, length, dtype=None, device=None):
         weight = model.layers[0].attn.qkv.weight
-        dtype, device = dtype or weight.dtype, device or weight.device
+        dtype = dtype or weight.dtype
+        device = device or weight.device
+        self.window = model.config.sliding_window
+        self.slot = {}  # each Attention module's index in keys and values
         self.keys, self.values = [], []
         for block in model.layers:
             attn = block.attn
             heads = attn.qkv.weight.shape[0] // ((attn.q_per_kv + 2) * attn.head_dim)
             shape = (batch, heads, length, attn.head_dim)
+            self.slot[attn] = len(self.keys)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
         self.length = 0  # positions filled
+        self.positions = None  # [t, b]: the fed tokens' positions (rotary)
+        self.visible = None  # [b, 1, t, T]: which key each fed token may see
+
+    def feed(self, mask, t):
+        """Before a forward of t new tokens: `mask` `[b, T]` covers every position so far,
+        these t included."""
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [b, T]: a token's index among tokens
+        query_pos = positions[:, -t:]
+        self.visible = _visible(mask.bool(), positions, query_pos, self.window)
+        self.positions = query_pos.t()  # [t, b]
+
+    def update(self, attention, k, v):
+        """Write the new keys and values `[b, heads here, t, hd]` at the cache's end; return
+        every position's so far and the attention mask's keywords."""
+        i = self.slot[attention]
+        start = self.length
+        end = start + k.shape[2]
+        self.keys[i][:, :, start:end] = k
+        self.values[i][:, :, start:end] = v
+        return self.keys[i][:, :, :end], self.values[i][:, :, :end], {"attn_mask": self.visible}
 
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
-def _embed(embed, ids, group):
-    """The lookup of `ids` `[b, t]`, whole on every rank: each rank its vocabulary rows, summed."""
-    return all_reduce_(vocab_shard_lookup(embed, ids), group)  # [b, t, h]
-
-
-def _row(layer, x, group):
-    """A row-parallel layer without sequence parallelism: this rank's GEMM, then the sum."""
-    y = all_reduce_(F.linear(x, layer.weight), group)
-    return y if layer.bias is None else y + layer.bias
-
-
-def _attention(attn, x, layer, cache, visible, cos, sin, group):
-    n, hd = attn.q_per_kv, attn.head_dim
-    qkv = F.linear(x, attn.qkv.weight, attn.qkv.bias).unflatten(-1, (-1, n + 2, hd))
-    b, t = qkv.shape[:2]
-    q = qkv[:, :, :, :n].reshape(b, t, -1, hd)  # [b, t, heads here, hd]
-    k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [b, t, kv heads here, hd]
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [b, t, 1, hd/2]: each token its own
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    start, end = cache.length, cache.length + t
-    cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
-    cache.values[layer][:, :, start:end] = v.transpose(1, 2)
-    keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible,
-                                       enable_gqa=n > 1)  # [b, heads here, t, hd]
-    return _row(attn.proj, o.transpose(1, 2).reshape(b, t, -1), group)
-
-
-def _mlp(mlp, x, group):
-    first, second = (mlp.gate_up, mlp.down) if hasattr(mlp, "gate_up") else (mlp.fc1, mlp.fc2)
-    return _row(second, between_mlp_layers(mlp, column_gemm(first, x)), group)
 
 
 def _visible(key_ok, key_pos, query_pos, window):
@@ -99,23 +92,28 @@ def _visible(key_ok, key_pos, query_pos, window):
     return (seen | own).unsqueeze(1)
 
 
+@contextmanager
+def without_sequence_parallelism(model):
+    """The model's layers switched to classic TP for the duration (see the module)."""
+    switched = [m for m in model.modules() if getattr(m, "sequence_parallel", False)]
+    for module in switched:
+        module.sequence_parallel = False
+    try:
+        yield model
+    finally:
+        for module in switched:
+            module.sequence_parallel = True
+
+
 def _logits(model, ids, mask, cache):
     """The next-token logits `[b, V]` (fp32) after feeding `ids` `[b, t]` at the cache's end;
-    `mask` `[b, T]` covers every position so far, these t included."""
-    group = model.tp_group
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [b, T]: a token's index among tokens
-    t = ids.shape[1]
-    query_pos = positions[:, -t:]
-    visible = _visible(mask.bool(), positions, query_pos, model.config.sliding_window)
-    cos, sin = model.rope_cos[query_pos], model.rope_sin[query_pos]  # [b, t, hd/2]
-    x = _embed(model.embed, ids, group)
-    for i, block in enumerate(model.layers):
-        x = x + _attention(block.attn, block.attn_norm(x), i, cache, visible, cos, sin, group)
-        x = x + _mlp(block.mlp, block.mlp_norm(x), group)
-    cache.length += t
-    last = model.norm(x[:, -1])  # [b, h]
-    local = F.linear(last, model.head.weight)  # [b, V/p]
-    return all_gather_dim(local, -1, group).float()  # [b, V], the same bytes on every rank
+    `mask` `[b, T]` covers every position so far, these t included. The model's own forward,
+    its layers without sequence parallelism (`without_sequence_parallelism`)."""
+    cache.feed(mask, ids.shape[1])
+    last = model.hidden_states(ids.t(), cache)[-1]  # [b, h], the last position's
+    cache.length += ids.shape[1]
+    local = model.head(last)  # [b, V/p]
+    return gather_from_tensor_parallel_region(local, model.tp_group).float()  # [b, V]
 
 
 def _next_token(logits, do_sample, temperature, top_k, generator):
@@ -196,17 +194,19 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens=16, do_sam
     cache = KVCache(model, ids.shape[0], ids.shape[1] + max_new_tokens)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     out, step_ids = [ids], ids
-    for step in range(max_new_tokens):
-        logits = _logits(model, step_ids, mask, cache)
-        tokens = _next_token(logits, do_sample, temperature, top_k, generator)
-        if check_tokens and group_size(group) > 1:
-            _check_tokens(tokens, step, group)
-        tokens = tokens.masked_fill(done, pad_token_id)
-        out.append(tokens[:, None])
-        if eos_token_id is not None:
-            done |= tokens == eos_token_id
-            if bool(done.all()):
-                break
-        step_ids = tokens[:, None]
-        mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+    with without_sequence_parallelism(model):
+        for step in range(max_new_tokens):
+            logits = _logits(model, step_ids, mask, cache)
+            tokens = _next_token(logits, do_sample, temperature, top_k, generator)
+            if check_tokens and group_size(group) > 1:
+                _check_tokens(tokens, step, group)
+            out.append(tokens.masked_fill(done, pad_token_id)[:, None])
+            if eos_token_id is not None:
+                done |= tokens == eos_token_id
+                if bool(done.all()):
+                    break
+            # A finished sequence is fed the model's own choice, an id in range whatever the
+            # pad id: its outputs are never used, and each sequence attends only to its own.
+            step_ids = tokens[:, None]
+            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     return torch.cat(out, dim=1)

@@ -37,7 +37,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import all_reduce_, group_rank, group_size
 from ..model import Transformer
-from ..support.sharding import record_layouts
 
 
 def init_mesh_2d(dp_size, tp_size, device_type="cpu"):
@@ -78,7 +77,6 @@ def apply_fsdp(model, mesh, *, mp_policy=None, reshard_after_forward=True):
                          f"Transformer")
     kwargs = dict(mesh=mesh["dp"], reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy())
-    record_layouts(model)  # fully_shard replaces the Parameters and drops their marks
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -94,7 +92,6 @@ def apply_ddp(model, mesh):
     buffers are fixed tables (rotary angles), the same on every rank: no need to broadcast
     them before every forward.
     """
-    record_layouts(model)
     return DistributedDataParallel(model, device_mesh=mesh["dp"], forward_sync_buffers=False)
 
 

@@ -1,38 +1,29 @@
-"""Full tensors <-> shards, for any model whose layers mark their parameters (the marks are
-set on the reading path: `parallel_linear.mark_tensor_parallel`, `model.mark_init_std`).
+"""Full tensors <-> shards, for any model whose layers record their parameters' layouts (the
+kernel's layers do, on the module: `parallel_linear.Layout`, `set_layout`, `layout_of`).
 
 Code that must treat parameters differently (load a checkpoint, gather a state dict, count a
-gradient in the norm, check replicated gradients) reads the marks, never a parameter's name or
-its module's class, so it also works for layers it has never seen:
+gradient in the norm, check replicated gradients) reads the layouts, never a parameter's name
+or its module's class, so it also works for layers it has never seen.
 
-tensor_parallel_dim    the dim split over the TP ranks; None or absent: replicated
-tensor_parallel_rows   a `RowSplit`: which rows of the full tensor each rank holds, when that is
-                       not one contiguous block per rank (gate|up, fused q|k|v, shared k/v rows)
-init_std               std of the model's normal init; None: keep the values built
-
-Wrapping engines replace Parameter objects: `fully_shard` swaps each for a new DTensor
-Parameter, and attributes on the old one are gone. They keep the modules and the parameter
-names, so `record_layouts` copies the marks into a `Layout` per parameter, held by the module
-that owns it (`apply_fsdp`, `apply_ddp` and `parallelize_module` call it before wrapping);
-`named_layouts` reads them back from a wrapped model or a bare one.
+A layout is kept by the module that owns the parameter, not on the Parameter object: wrapping
+engines replace Parameter objects (`fully_shard` swaps each for a new DTensor Parameter) but
+keep the modules and the parameter names, so `named_layouts` reads the same layouts from a bare
+model, from one wrapped by `fully_shard` or DDP by hand, and from one wrapped by the package.
 
 The model's full weights and gradients: `load_full_state_dict(model, state_dict)`,
 `full_state_dict(model)`, `full_grads(model)` (under the baseline's keys, on every rank).
 """
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..comm import all_gather_dim, all_reduce_, group_rank, group_size
-from ..parallel_linear import RowSplit, full_shape, shard
-
-DEFAULT_INIT_STD = 0.02
+from ..parallel_linear import Layout, full_shape, layout_of, shard
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading the marks
+# Reading the layouts
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # a few splits per model, asked on every gradient norm
 def first_holder(split):
@@ -48,70 +39,44 @@ def counted_rows(split, rank):
     return first_holder(split)[split.rows[rank]] == rank
 
 
-def tensor_parallel_dim(param):
-    """The dim `param` (a parameter or its `Layout`) is split along, or None when every rank
-    holds all of it."""
-    return getattr(param, "tensor_parallel_dim", None)
+def tensor_parallel_dim(layout):
+    """The dim a parameter with this `Layout` is split along, or None when every rank holds all
+    of it."""
+    return layout.dim
 
 
-def tensor_parallel_rows(param):
-    """The `RowSplit` of `param` (a parameter or its `Layout`), or None: a plain split."""
-    return getattr(param, "tensor_parallel_rows", None)
-
-
-def init_std(param):
-    return getattr(param, "init_std", DEFAULT_INIT_STD)
-
-
-# ----------------------------------------------------------------------------------------------
-# Layouts: the marks, kept on the modules where wrapping cannot drop them
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Layout:
-    """One parameter's marks (see the table at the top)."""
-    tensor_parallel_dim: int | None = None
-    init_std: float | None = DEFAULT_INIT_STD
-    tensor_parallel_rows: RowSplit | None = None
-
-
-def layout_of(param):
-    """The `Layout` read from the marks on `param` itself."""
-    return Layout(tensor_parallel_dim(param), init_std(param), tensor_parallel_rows(param))
-
-
-def record_layouts(model):
-    """Copy the marks of every parameter into `param_layouts` ({name: Layout}) of the module
-    that owns it. Call once the model is built, before any engine wraps it. Returns `model`."""
-    for module in model.modules():
-        own = dict(module.named_parameters(recurse=False))
-        if own:
-            module.param_layouts = {name: layout_of(p) for name, p in own.items()}
-    return model
+def tensor_parallel_rows(layout):
+    """The `RowSplit` of a parameter with this `Layout`, or None: a plain split."""
+    return layout.rows
 
 
 def named_layouts(model):
     """(name, parameter, Layout) for every parameter of `model`, each once, in the order of
-    `named_parameters`: the layout recorded on its module, else the marks on the parameter.
-    Works on a bare model and on one wrapped by `fully_shard` or DDP (names then as the
-    wrapper's `named_parameters` gives them)."""
+    `named_parameters`: the layout its module records (`layout_of`). Works on a bare model and
+    on one wrapped by `fully_shard` or DDP (names then as the wrapper's `named_parameters`
+    gives them)."""
     seen = set()
     for prefix, module in model.named_modules():
-        recorded = getattr(module, "param_layouts", {})
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # a tied weight: listed once, under its first name
                 continue
             seen.add(id(param))
-            layout = recorded.get(name) or layout_of(param)
-            yield (f"{prefix}.{name}" if prefix else name), param, layout
+            yield (f"{prefix}.{name}" if prefix else name), param, layout_of(module, name)
+
+
+def layouts(model):
+    """{name: Layout} of every parameter of `model` (see `named_layouts`)."""
+    return {name: layout for name, _, layout in named_layouts(model)}
 
 
 # ----------------------------------------------------------------------------------------------
 # Full tensors <-> this rank's shards
 # ----------------------------------------------------------------------------------------------
-def unshard(local, param, group, layout=None):
+def unshard(local, layout, group):
     """The full tensor from every rank's `local` slice (a collective: every rank calls it)."""
-    dim, p = tensor_parallel_dim(layout or param), group_size(group)
-    split = tensor_parallel_rows(layout or param)
+    dim = layout.dim
+    p = group_size(group)
+    split = layout.rows
     if dim is None or p == 1:
         return local
     gathered = all_gather_dim(local, dim, group)
@@ -121,7 +86,7 @@ def unshard(local, param, group, layout=None):
     # of them (the copies are equal), so each row is written once.
     rows = split.rows.flatten()
     counted = torch.cat([counted_rows(split, r) for r in range(p)])
-    full = gathered.new_empty(full_shape(local, p, layout or param))
+    full = gathered.new_empty(full_shape(local, layout, p))
     full[rows[counted].to(full.device)] = gathered[counted.to(full.device)]
     return full
 
@@ -151,11 +116,12 @@ def load_full_state_dict(model, state_dict):
     keys) into `model`, each rank keeping its shards."""
     group = model.tp_group
     for name, param, layout in named_layouts(model):
-        full, shape = state_dict[name], full_shape(param, group_size(group), layout)
+        full = state_dict[name]
+        shape = full_shape(param, layout, group_size(group))  # a DTensor's shape is its whole
         if list(full.shape) != shape:
             raise ValueError(f"{name}: checkpoint shape {list(full.shape)} does not match "
                              f"the model's full shape {shape}")
-        local = shard(full.to(param.device, param.dtype), param, group, layout)
+        local = shard(full.to(param.device, param.dtype), layout, group)
         param.copy_(scatter_data_parallel(local, param))
     return model
 
@@ -163,7 +129,7 @@ def load_full_state_dict(model, state_dict):
 @torch.no_grad()
 def full_state_dict(model):
     """Full (unsharded) parameters under the baseline's keys, on every rank (a collective)."""
-    return {n: unshard(gather_data_parallel(p.detach()), p, model.tp_group, layout)
+    return {n: unshard(gather_data_parallel(p.detach()), layout, model.tp_group)
             for n, p, layout in named_layouts(model)}
 
 
@@ -171,7 +137,7 @@ def full_state_dict(model):
 def full_grads(model):
     """Full (unsharded) gradients under the baseline's keys, on every rank (a collective)."""
     return {n: None if p.grad is None else
-            unshard(gather_data_parallel(p.grad), p, model.tp_group, layout)
+            unshard(gather_data_parallel(p.grad), layout, model.tp_group)
             for n, p, layout in named_layouts(model)}
 
 
@@ -199,7 +165,7 @@ def grad_norm(model, tp_group=None):
         grad = param.grad
         if grad is None:
             continue
-        split = tensor_parallel_rows(layout)
+        split = layout.rows
         shares = split is not None and split.shared(rank) is not None
         counted = counted_rows(split, rank).to(device) if shares else None
         if isinstance(grad, DTensor):  # this DP rank's shard of it (and of its rows)
@@ -209,7 +175,7 @@ def grad_norm(model, tp_group=None):
         grad = grad.detach().double()
         if counted is not None:
             grad = grad[counted]
-        replicated = tensor_parallel_dim(layout) is None
+        replicated = layout.dim is None
         squares[int(replicated)] += grad.pow(2).sum()
     all_reduce_(squares, dp_group)  # None (no FSDP): nothing to add
     all_reduce_(squares[:1], tp_group)  # the sharded part only
@@ -217,6 +183,6 @@ def grad_norm(model, tp_group=None):
 
 
 __all__ = ["Layout", "counted_rows", "first_holder", "full_grads", "full_state_dict",
-           "gather_data_parallel", "grad_norm", "init_std", "layout_of", "load_full_state_dict",
-           "named_layouts", "record_layouts", "scatter_data_parallel", "tensor_parallel_dim",
+           "gather_data_parallel", "grad_norm", "layout_of", "layouts", "load_full_state_dict",
+           "named_layouts", "scatter_data_parallel", "tensor_parallel_dim",
            "tensor_parallel_rows", "unshard"]

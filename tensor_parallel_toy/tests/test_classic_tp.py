@@ -12,7 +12,7 @@ from tensor_parallel_toy.apply.classic_tp import (apply_tensor_parallel, classic
                                                   sync_replicated_gradients)
 from tensor_parallel_toy.apply.layers import PlannedColumn, PlannedRow
 from tensor_parallel_toy.comm import all_gather_dim
-from tensor_parallel_toy.support.sharding import tensor_parallel_dim
+from tensor_parallel_toy.support.sharding import layouts
 
 from .helpers import FP32_TOL, assert_errors, assert_one_line, max_rel_error
 
@@ -117,8 +117,9 @@ def _on_rank_compare(which):
     sync_replicated_gradients(tp, group)
     base_params = dict(base.named_parameters())
     sharded = 0
+    split = layouts(tp)
     for name, param in tp.named_parameters():
-        dim = tensor_parallel_dim(param)
+        dim = split[name].dim
         sharded += dim is not None
         full = param.grad if dim is None else all_gather_dim(param.grad, dim, group)
         errors["grad:" + name] = max_rel_error(full, base_params[name].grad)
@@ -276,10 +277,11 @@ def _on_rank_preset_against_hand_written(which):
     preset, by_hand = models
     errors = {"y": max_rel_error(preset(x), by_hand(x))}
     hand_params = dict(by_hand.named_parameters())
+    preset_split, hand_split = layouts(preset), layouts(by_hand)
     for name, param in preset.named_parameters():
         errors[name] = max_rel_error(param, hand_params[name])
         errors["split differently: " + name] = float(
-            tensor_parallel_dim(param) != tensor_parallel_dim(hand_params[name]))
+            preset_split[name].dim != hand_split[name].dim)
     errors["parameters"] = abs(len(hand_params) - len(dict(preset.named_parameters())))
     return errors
 
@@ -345,9 +347,10 @@ def _on_rank_fused_conv():
         if fused:
             errors["dx"] = max_rel_error(grads[tp][1], grads[base][1])
             full = dict(base.named_parameters())
+            split = layouts(tp)
             for name, param in tp.named_parameters():
-                errors["grad:" + name] = max_rel_error(param.grad,
-                                                       shard(full[name].grad, param, group))
+                errors["grad:" + name] = max_rel_error(
+                    param.grad, shard(full[name].grad, split[name], group))
     return errors
 
 

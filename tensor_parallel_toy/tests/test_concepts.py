@@ -19,7 +19,7 @@ from tensor_parallel_toy.model import Transformer
 from tensor_parallel_toy.post import concepts
 from tensor_parallel_toy.profiling.measure.memory_model import (
     bf16_extra_bytes, block_saved_elements, model_saved_bytes, model_saved_elements, profile_shape)
-from tensor_parallel_toy.rotary import apply_rotary
+from tensor_parallel_toy.rotary import rotate
 from tensor_parallel_toy.profiling.measure.metrics import SavedActivationBytes
 from tensor_parallel_toy.profiling.spec import MODEL_DEFAULTS, SEQ
 from tensor_parallel_toy.profiling.run.tp_no_sp import classic_tp_model
@@ -118,10 +118,10 @@ def test_rotary_embedding_saves_only_its_tables_not_fp32_copies_of_q():
     cos, sin = torch.randn(s, hd // 2), torch.randn(s, hd // 2)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        apply_rotary(q, cos, sin).sum().backward()
+        rotate(q, cos[:, None, None], sin[:, None, None]).sum().backward()
     sizes = {(t.dtype, t.numel()) for t in saved}
     assert all(numel <= cos.numel() for _, numel in sizes), (
-        f"apply_rotary saved tensors larger than its [s, hd/2] tables (q has {q.numel()} "
+        f"the rotation saved tensors larger than its [s, hd/2] tables (q has {q.numel()} "
         f"elements): {sorted(sizes, key=str)}")
 
 

@@ -143,6 +143,7 @@ def _on_rank_order():
     block = TransformerBlock(CONFIG, group)
     draw_full_weights_(block, group, seed=1)
     cos, sin = rotary_tables(12, CONFIG.head_dim, CONFIG.rope_base)
+    cos, sin = cos[:, None, None], sin[:, None, None]  # [s, 1, 1, hd/2], as Transformer.rotary
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(12 // p, 4, CONFIG.hidden_size, generator=gen).requires_grad_()
     dy = torch.randn(12 // p, 4, CONFIG.hidden_size, generator=gen)

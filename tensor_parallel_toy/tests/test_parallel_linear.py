@@ -229,6 +229,7 @@ def _on_rank_standalone_init(seed):
     be the weight the unsplit PyTorch layer draws after that seed, and the generator must stay
     in step across ranks."""
     from tensor_parallel_toy import VocabParallelEmbedding
+    from tensor_parallel_toy.parallel_linear import layout_of
     from tensor_parallel_toy.support.sharding import unshard
 
     group, _, _ = world()
@@ -245,7 +246,8 @@ def _on_rank_standalone_init(seed):
         after = torch.rand(8)  # the generator's state after the build, compared across ranks
         torch.manual_seed(seed)
         plain = build_plain()
-        errors[name] = max_rel_error(unshard(layer.weight.detach(), layer.weight, group),
+        errors[name] = max_rel_error(unshard(layer.weight.detach(), layout_of(layer, "weight"),
+                                             group),
                                      plain.weight)
         gathered = [torch.empty_like(after) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, after, group=group)
@@ -268,7 +270,7 @@ def _on_rank_check_shaped_column(out_shape, split_dim, kv, dtype_name, strided):
     output's gradient, the shares summing to it, and each must end with the full weight
     gradient of those rows."""
     from tensor_parallel_toy.model import qkv_rows
-    from tensor_parallel_toy.support.sharding import tensor_parallel_rows
+    from tensor_parallel_toy.parallel_linear import layout_of
 
     group, p, r = world()
     dtype, dev = DTYPES[dtype_name], current_device()
@@ -281,7 +283,7 @@ def _on_rank_check_shaped_column(out_shape, split_dim, kv, dtype_name, strided):
     else:
         layer = ColumnParallelLinear(24, out_shape, tp_group=group, bias=True,
                                      split_dim=split_dim, device=dev, dtype=dtype)
-    every = tensor_parallel_rows(layer.weight).rows  # [p, rows]
+    every = layout_of(layer, "weight").rows.rows  # [p, rows]
     rows = every[r]
     share = torch.ones(len(rows), dtype=dtype)  # this rank's share of each row's gradient
     for i, row in enumerate(rows.tolist()):  # holder j of c: (j + 1) / (1 + 2 + ... + c)

@@ -26,6 +26,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, NoParallel, PrepareModul
 from tensor_parallel_toy.comm import reduce_from_tensor_parallel_region
 from tensor_parallel_toy.examples import nanogpt_tp as ex
 from tensor_parallel_toy.parallel_linear import shard
+from tensor_parallel_toy.support.sharding import layouts
 
 from .helpers import (FP32_TOL, assert_errors, assert_one_line, max_rel_error,
                       value_error_messages)
@@ -115,9 +116,10 @@ def _on_rank_every_style_vs_torch(overlap):
     (out_theirs * weight).sum().backward()
     errors = {"output": max_rel_error(out_ours, out_theirs)}
     mine = dict(ours.named_parameters())
+    split = layouts(ours)
     for name, param in theirs.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        errors[name] = max_rel_error(mine[name].grad, shard(grad, mine[name], group))
+        errors[name] = max_rel_error(mine[name].grad, shard(grad, split[name], group))
     errors["#params"] = len(mine)
     return errors
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 from tensor_parallel_toy.apply import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                        SequenceParallel, parallelize_module)
 from tensor_parallel_toy.parallel_linear import shard
+from tensor_parallel_toy.support.sharding import layouts
 
 from .helpers import FP32_TOL, assert_errors, max_rel_error, world
 
@@ -165,9 +166,10 @@ def _on_rank_dropout_zero():
     ref.backward()
     errors = {"loss": max_rel_error(loss, ref)}
     split = dict(model.named_parameters())
+    split_layouts = layouts(model)
     for name, param in one.named_parameters():
         errors[name] = max_rel_error(split[name].grad,
-                                     shard(param.grad, split[name], dist.group.WORLD))
+                                     shard(param.grad, split_layouts[name], dist.group.WORLD))
     return errors
 
 
