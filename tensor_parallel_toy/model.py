@@ -152,16 +152,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         return self.proj(self.attend(self.qkv(x), cos, sin))  # [s/p, b, h]
 
-    def attend(self, qkv, cos, sin):
+    def attend(self, qkv, cos, sin, norm=nn.Module.__call__):
         """Attention over this rank's heads, from its qkv rows `[s, b, rows]` -> `[s, b,
-        nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers)."""
+        nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers).
+        `norm(q_norm, q)` applies a q/k norm: by default the norm itself (its weight through
+        its own `f`); halves/ passes one that reads weights it put through `f` itself."""
         n = self.q_per_kv  # query heads per k/v head on this rank
         qkv = qkv.unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
         s, b = qkv.shape[:2]
         q = qkv[:, :, :, :n].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
         k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [s, b, kv heads here, hd] each
         if self.q_norm is not None:  # each head's q and k normalised, then rotated
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = norm(self.q_norm, q), norm(self.k_norm, k)
         q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
         # enable_gqa: query head i reads k/v head i // n of this rank.

@@ -23,10 +23,13 @@ def vocab_shard_lookup(embed, ids):
     return x.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-def column_gemm(layer, x):
+def column_gemm(layer, x, weights=None):
     """A column layer's GEMM on the whole input `x` `[..., in]` -> `[..., rows]`: this rank's
     rows of the weight (and bias), those several ranks hold entering through `f` over their
-    holders, as `ColumnParallelLinear.forward` does."""
+    holders, as `ColumnParallelLinear.forward` does; or `weights`, (weight, bias) the caller
+    has put through that `f` already (the two halves: once for both)."""
+    if weights is not None:
+        return F.linear(x, *weights)
     weight, bias, shared = layer.weight, layer.bias, getattr(layer, "shared", None)
     if shared is not None:
         weight = copy_to_row_holders(weight, shared, layer.tp_group)
