@@ -132,63 +132,6 @@ def gather_from_tensor_parallel_region(x, group):
     return _GatherFromTensorParallelRegion.apply(x, group)
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """forward: all-gather along the sequence dim `dim` (`[.., s/p, ..]` -> `[.., s, ..]` on
-    every rank); backward: this rank's slice of the gradient. Conjugate of
-    _ScatterToSequenceParallelRegion.
-
-    Into a replicated region: what follows computes the same thing from the same data on every
-    rank (or sums its partial gradients itself, as a column layer's `f` does), so the gradient
-    that comes back is whole and the same everywhere, and each rank keeps its own rows of it.
-    (A column layer fuses this gather with its GEMM instead, and its backward is a
-    reduce-scatter: what follows it, on each rank, is its own slice of the features.)
-    """
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim = dim
-        ctx.group = group
-        full, _ = all_gather_seq(x.transpose(0, dim), group)
-        return full.transpose(0, dim).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        mine = grad.chunk(group_size(ctx.group), dim=ctx.dim)[group_rank(ctx.group)]
-        return mine.contiguous(), None, None
-
-
-def gather_from_sequence_parallel_region(x, group, dim=0):
-    """`[.., s/p, ..]` (dim `dim`) -> `[.., s, ..]` on every rank; backward: this rank's slice."""
-    if group_size(group) == 1:
-        return x
-    return _GatherFromSequenceParallelRegion.apply(x, dim, group)
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """forward: this rank's slice along the sequence dim `dim` (no communication); backward:
-    all-gather of the slices' gradients, the whole gradient of the replicated input, the same
-    on every rank. Conjugate of _GatherFromSequenceParallelRegion."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim = dim
-        ctx.group = group
-        return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        full, _ = all_gather_seq(grad.transpose(0, ctx.dim), ctx.group)
-        return full.transpose(0, ctx.dim).contiguous(), None, None
-
-
-def scatter_to_sequence_parallel_region(x, group, dim=0):
-    """`[.., s, ..]`, the same on every rank -> this rank's `[.., s/p, ..]`; backward:
-    all-gather."""
-    if group_size(group) == 1:
-        return x
-    return _ScatterToSequenceParallelRegion.apply(x, dim, group)
-
-
 class _CopyToRowHolders(torch.autograd.Function):
     """`f` for a weight some of whose rows several ranks hold: forward identity; backward each
     such row's gradient summed over the ranks that hold it. The rule the norms follow (a weight

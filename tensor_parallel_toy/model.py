@@ -41,6 +41,12 @@ from .rotary import rotary_tables, rotate
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
+UNCHECKED = ("this Transformer runs over a tensor-parallel group of {p} ranks unchecked: ranks "
+             "given different batches would all return a mixed loss, ranks built differently "
+             "would hang; call model = guard(model) (tensor_parallel_toy.guard) once, after "
+             "building it")
+
+
 @torch.no_grad()
 def draw_full_weights_(model, tp_group, seed=0):
     """Draw every *full* weight of `model` from its own generator (seeded by seed and name),
@@ -176,17 +182,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None):
         return self.proj(self.attend(self.qkv(x), cos, sin, cache))  # [s/p, b, h]
 
-    def attend(self, qkv, cos, sin, cache=None):
+    def attend(self, qkv, cos, sin, cache=None, *, norm=nn.Module.__call__):
         """Attention over this rank's heads, from its qkv rows `[s, b, rows]` -> `[s, b,
         nh*hd/p]`: what runs between the two layers (halves/ calls it between transfers).
-        cos, sin: each position's rotary angles, `[s, 1 or b, 1, hd/2]` (`Transformer.rotary`)."""
+        cos, sin: each position's rotary angles, `[s, 1 or b, 1, hd/2]` (`Transformer.rotary`).
+        `norm(q_norm, q)` applies a q/k norm: by default the norm itself (its weight through
+        its own `f`); halves/ passes one that reads weights it put through `f` itself."""
         n = self.q_per_kv  # query heads per k/v head on this rank
         qkv = qkv.unflatten(-1, (-1, n + 2, self.head_dim))  # [s, b, kv heads, n+2, hd]
         s, b = qkv.shape[:2]
         q = qkv[:, :, :, :n].reshape(s, b, -1, self.head_dim)  # [s, b, nh/p, hd]
         k, v = qkv[:, :, :, n], qkv[:, :, :, n + 1]  # [s, b, kv heads here, hd] each
         if self.q_norm is not None:  # each head's q and k normalised, then rotated
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = norm(self.q_norm, q), norm(self.k_norm, k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
         mask = self._mask(s, q.device)
@@ -344,8 +352,8 @@ class Transformer(nn.Module):
         if labels is None:
             return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
         labels = pad_sequence(labels.t(), self.seq_multiple, ignore_index)  # [s', b]
-        loss = self.cross_entropy(logits, labels, ignore_index=ignore_index,
-                                  label_smoothing=label_smoothing, reduction=reduction)
+        loss = self.cross_entropy(logits, labels, reduction, ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing)
         return loss[:s].t() if reduction == "none" else loss  # [b, s] or a scalar
 
     def rotary(self, s, positions=None):
@@ -369,29 +377,23 @@ class Transformer(nn.Module):
         final norm and the head (halves/ runs them as two interleaved halves of the batch)."""
         return self.head(self.hidden_states(ids))
 
-    def cross_entropy(self, logits, labels, *, ignore_index, label_smoothing, reduction):
-        """logits [s', b, V/p], labels [s', b] -> the loss; the baseline's is F.cross_entropy,
-        the reference every TP result is compared with."""
+    def cross_entropy(self, logits, labels, reduction, **options):
+        """logits [s', b, V/p], labels [s', b] -> the loss (`options`: F.cross_entropy's
+        ignore_index, label_smoothing); the baseline's is F.cross_entropy, the reference every
+        TP result is compared with."""
         if self.tp_group is not None:
-            return vocab_parallel_cross_entropy(
-                logits, labels, self.tp_group, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, reduction=reduction)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                                reduction=reduction, **options)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                               ignore_index=ignore_index, label_smoothing=label_smoothing,
-                               reduction=reduction)
+                               reduction=reduction, **options)
         return loss.view(labels.shape) if reduction == "none" else loss
 
     def say_unchecked(self):
-        """Once per model: a TP model without `guard`'s checks returns a wrong number, or
-        hangs, when its ranks are given different batches or built different models."""
-        if "unchecked_said" in self.__dict__:
-            return
-        self.unchecked_said = True
-        warnings.warn(f"this Transformer runs over a tensor-parallel group of {self.tp_size} "
-                      f"ranks unchecked: ranks given different batches would all return a "
-                      f"mixed loss, ranks built differently would hang; call "
-                      f"model = guard(model) (tensor_parallel_toy.guard) once, after building "
-                      f"it", stacklevel=3)
+        """Once per model: unguarded, ranks given different batches return a wrong number, and
+        ranks that built different models hang."""
+        if "unchecked_said" not in self.__dict__:
+            self.unchecked_said = True
+            warnings.warn(UNCHECKED.format(p=self.tp_size), stacklevel=3)
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

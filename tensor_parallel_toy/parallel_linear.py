@@ -38,6 +38,7 @@ operations as plain functions, each picking its Function; the Modules hold a wei
 where it is split (`Layout`, on the module: an engine that replaces the Parameter objects keeps
 the modules) and call them.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -290,11 +291,8 @@ class _ParallelLinear(nn.Module):
             set_layout(self, "bias", dim=0 if split_dim == 0 else None, rows=rows)
         if init_weights:  # nn.Linear's init of the *full* weight; this rank keeps its slice
             bound = 1 / math.sqrt(in_features)
-
-            def uniform(full):
-                nn.init.uniform_(full, -bound, bound)
-
-            init_from_full_(self.weight, layout_of(self, "weight"), uniform, tp_group)
+            init_from_full_(self.weight, layout_of(self, "weight"),
+                            functools.partial(nn.init.uniform_, a=-bound, b=bound), tp_group)
 
     def switches(self):
         """The keyword arguments this layer passes to its operation."""
@@ -362,10 +360,11 @@ class ColumnParallelLinear(_ParallelLinear):
                 bias = copy_to_row_holders(bias, self.shared, self.tp_group)
         return weight, bias
 
-    def gemm(self, x):
+    def gemm(self, x, weights=None):
         """The layer's work on this rank without its collective: x `[.., in]` whole (already
-        gathered) -> `[.., rows]` (for a client that places the transfer itself: halves/)."""
-        return F.linear(x, *self.shard_weights())
+        gathered) -> `[.., rows]` (for a client that places the transfer itself: halves/).
+        `weights`: (weight, bias) the caller already put through `shard_weights`' `f`."""
+        return F.linear(x, *(weights or self.shard_weights()))
 
     def forward(self, x):
         weight, bias = self.shard_weights()

@@ -49,12 +49,9 @@ class Ring:
     """
 
     def __init__(self, group, pieces=1):
-        self.group = group
-        self.pieces = int(pieces)
-        self.size = group_size(group)
-        self.rank = group_rank(group)
-        self.next = (self.rank + 1) % self.size
-        self.prev = (self.rank - 1) % self.size
+        self.group, self.pieces = group, int(pieces)
+        self.size, self.rank = group_size(group), group_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
     def block_rows(self, chunk_rows):
         """The rows of one piece of a chunk of `chunk_rows` rows (pieces must divide them)."""
@@ -197,15 +194,9 @@ class RingAllGatherGemm(torch.autograd.Function):
         def dy_block(i):
             return dy[i * rows:(i + 1) * rows]
 
-        def add_weight_grad(i, x_i):
-            dw.add(dy_block(i), x_i)
-
-        def produce_dx(i):
-            return dy_block(i).matmul(weight)
-
         dw = WeightGradAccumulator(weight)
-        ring_all_gather(x_local, add_weight_grad, ring)
-        dx_local = ring_reduce_scatter(produce_dx, ring)
+        ring_all_gather(x_local, lambda i, x_i: dw.add(dy_block(i), x_i), ring)
+        dx_local = ring_reduce_scatter(lambda i: dy_block(i).matmul(weight), ring)
         db = flat(dy).sum(dim=0) if ctx.has_bias else None
         return dx_local, dw.result(), db, None, None
 
@@ -223,11 +214,8 @@ class GemmRingReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, pieces):
         ring = Ring(group, pieces)
         rows = ring.block_rows(x.shape[0] // ring.size)
-
-        def produce(i):
-            return F.linear(x[i * rows:(i + 1) * rows], weight)
-
-        y_local = ring_reduce_scatter(produce, ring)
+        y_local = ring_reduce_scatter(lambda i: F.linear(x[i * rows:(i + 1) * rows], weight),
+                                      ring)
         if bias is not None:  # replicated: added once, to this rank's rows of the sum
             y_local = y_local + bias
         ctx.save_for_backward(x, weight)

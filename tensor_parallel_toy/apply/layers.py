@@ -19,7 +19,6 @@ GEMMs, collectives and lookups are the kernel's, none written here.
 The TP region (a split column output until the row layer) draws from this rank's own random
 stream (random.py): the column layer enters it, the row layer leaves it.
     gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
-                      (comm.py's sequence-parallel region transitions along dim d)
 """
 from contextlib import nullcontext
 
@@ -28,8 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from ..comm import (gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-                    group_rank, group_size, scatter_to_sequence_parallel_region)
+from ..comm import all_gather_seq, gather_from_tensor_parallel_region, group_rank, group_size
 from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                                full_shape, layout_of, row_parallel_linear)
 from ..vocab_parallel import VocabParallelEmbedding
@@ -212,14 +210,53 @@ class SequenceParallelDropout(nn.Module):
         return f"p={self.p}, sequence_dim={self.dim}"
 
 
+class _GatherSequence(torch.autograd.Function):
+    """forward: all-gather along the sequence dim `dim` ([.., s/p, ..] -> [.., s, ..] on every
+    rank); backward: this rank's slice of the gradient. Conjugate of _SplitSequence.
+
+    Into a replicated region (PrepareModuleInput / PrepareModuleOutput, Shard(d) ->
+    Replicate()): what follows computes the same thing from the same data on every rank, or
+    sums its partial gradients itself (a column layer's `f`), so the gradient that comes back
+    is whole and the same everywhere, and each rank keeps its own rows of it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        full, _ = all_gather_seq(x.transpose(0, dim), group)
+        return full.transpose(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, p = group_rank(ctx.group), group_size(ctx.group)
+        return grad.chunk(p, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """forward: this rank's slice along the sequence dim `dim` (no communication); backward:
+    all-gather of the slices' gradients, the whole gradient of the replicated input, the same
+    on every rank. Conjugate of _GatherSequence (Replicate() -> Shard(d))."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        rank, p = group_rank(group), group_size(group)
+        return x.chunk(p, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, _ = all_gather_seq(grad.transpose(0, ctx.dim), ctx.group)
+        return full.transpose(0, ctx.dim).contiguous(), None, None
+
+
 def gather_sequence(x, dim, group):
     """[.., s/p, ..] (dim `dim`) -> [.., s, ..] on every rank; backward: this rank's slice."""
-    return gather_from_sequence_parallel_region(x, group, dim)
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, dim, group)
 
 
 def split_sequence(x, dim, group):
     """[.., s, ..] the same on every rank -> this rank's [.., s/p, ..]; backward: all-gather."""
-    return scatter_to_sequence_parallel_region(x, group, dim)
+    return x if group_size(group) == 1 else _SplitSequence.apply(x, dim, group)
 
 
 def redistribute(x, have, want, group, where):

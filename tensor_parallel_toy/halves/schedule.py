@@ -29,9 +29,17 @@ all-gather and reduce-scatter; one line per turn, what is on the wire meanwhile 
     A: fc2 GEMM, post RS(A)                 AG(B)
     B: wait AG, fc1 GEMM, gelu              RS(A)   ... and so on into the next block
 
-The backward needs no schedule of its own: autograd runs the nodes in the reverse order of
-their creation, so each backward transfer (posted by a wait node's backward) runs under the
-backward of the compute that hid its forward, before the post node's backward waits for it.
+The backward needs no schedule of its own. What rests on what:
+- Correctness (every rank posts the backward's collectives in one order): by construction.
+  Every collective node of one forward, both halves' posts and waits and each `f` that sums a
+  weight's gradient, is created through one `Chain` (chain.py), so the backward can run them
+  only in the reverse order of their creation. The weights' `f` are not per half:
+  `weights_through_f` puts each through its `f` once for both halves, before them.
+- The overlap: autograd runs, among the nodes ready at once, the one created last (torch 2.13,
+  checked on CPU by the order test), so each backward transfer (posted by a wait node's
+  backward) runs under the backward of the compute that hid its forward, before the post
+  node's backward waits for it: the forward's schedule, mirrored. Another engine's choice
+  would change how much is hidden, not the gradients (but for the order of fp32 additions).
 
 Exact: the halves are the rows of one batch, every op is the path's, so the logits, the loss and
 every gradient equal `Transformer`'s up to the order of fp32 additions. The column layers save
@@ -44,10 +52,13 @@ unevenly); a batch of one row cannot be split into independent halves (the seque
 its second half attends to the first) and is refused. `overlap=True` is refused too: the
 halves call the layers' weights, not their forward, so the rings would never run.
 """
+from functools import partial
+
 import torch
 
-from ..comm import copy_to_tensor_parallel_region, group_size
-from ..model import Transformer, rms_norm
+from ..comm import copy_to_row_holders, copy_to_tensor_parallel_region, group_size
+from ..model import RMSNorm, Transformer, rms_norm
+from .chain import Chain
 from .split_phase import post_all_gather_seq, post_reduce_scatter_seq
 
 
@@ -70,63 +81,76 @@ def interleave(first, second):
     return results
 
 
-def _gather(x, group):
+def _gather(x, group, chain):
     """`[s/p, b, h]` -> `[s, b, h]`, the other half running meanwhile."""
-    posted = post_all_gather_seq(x, group)
+    posted = post_all_gather_seq(x, group, chain)
     yield
     return posted.wait()
 
 
-def _scatter(y, group):
+def _scatter(y, group, chain):
     """`[s, b, h]` partial sums -> this rank's rows of their sum `[s/p, b, h]` (the
     Transformer's row layers have no bias), the other half running meanwhile."""
-    posted = post_reduce_scatter_seq(y, group)
+    posted = post_reduce_scatter_seq(y, group, chain)
     yield
     return posted.wait()
 
 
-def norm_weights(norms, group):
-    """The residual stream's norms' weights, all through one `f`, once for both halves: their
-    gradients, both halves' summed, are all-reduced together in one call, at the backward's
-    end (the `f` node needs every norm's gradient from both halves first). Through `f` per
-    norm and half (as a norm's own forward would), the backward would hold a blocking
+def weights_through_f(module, group, chain):
+    """Every weight of `module` (the model, or a block) whose gradient the backward sums over
+    the ranks, put through its `f` once for both halves, each `f` node linked into `chain`:
+    {norm: weight `[h]` or `[hd]`, column layer: (weight, bias)}.
+
+    The norms' weights (the residual stream's and attention's q/k norms) all through one `f`:
+    their gradients, both halves' summed, are all-reduced together in one call, at the
+    backward's end (the `f` node needs every norm's gradient from both halves first). The rows
+    of a column layer that several ranks hold (k/v rows when there are fewer k/v heads than
+    ranks), through `f` over their holders, weight and bias, likewise at the end. Through `f`
+    per norm and half (as a norm's own forward would), the backward would hold a blocking
     all-reduce per norm and half, each waiting for the other half's transfer still on the
-    wire (measured on the modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting). Still
-    summed per half, with that cost: the q/k norms inside attention's heads, and the k/v rows
-    several ranks hold (`copy_to_row_holders`, in `ColumnParallelLinear.gemm`)."""
-    weights = copy_to_tensor_parallel_region(torch.cat([n.weight for n in norms]), group)
-    return dict(zip(norms, weights.split([n.weight.numel() for n in norms])))
+    wire (measured on the modeled 1 Gbit/s wire: 9 of one block's 20 ms of waiting)."""
+    norms = [m for m in module.modules() if isinstance(m, RMSNorm)]
+    summed = chain(copy_to_tensor_parallel_region, torch.cat([n.weight for n in norms]), group)
+    weights = dict(zip(norms, summed.split([n.weight.numel() for n in norms])))
+    for layer in module.modules():
+        shared = getattr(layer, "shared", None)  # as `ColumnParallelLinear.shard_weights` reads it
+        if shared is not None:
+            weight = chain(copy_to_row_holders, layer.weight, shared, group)
+            bias = None if layer.bias is None else chain(copy_to_row_holders, layer.bias,
+                                                         shared, group)
+            weights[layer] = (weight, bias)
+    return weights
 
 
 def _norm(norm, x, weights):
     return rms_norm(x, weights[norm], norm.eps)
 
 
-def _block(block, x, cos, sin, group, weights):
+def _block(block, x, cos, sin, group, weights, chain):
     """`TransformerBlock.forward` on one half `[s/p, b', h]`, yielding at every transfer and
-    between the two GEMMs of attention and of the MLP; `weights`: `norm_weights`."""
+    between the two GEMMs of attention and of the MLP; `weights`: `weights_through_f`."""
     attn, mlp = block.attn, block.mlp
-    gathered = yield from _gather(_norm(block.attn_norm, x, weights), group)  # [s, b', h]
-    qkv = attn.qkv.gemm(gathered)  # [s, b', qkv rows]
+    gathered = yield from _gather(_norm(block.attn_norm, x, weights), group, chain)  # [s, b', h]
+    qkv = attn.qkv.gemm(gathered, weights.get(attn.qkv))  # [s, b', qkv rows]
     yield
-    heads = attn.attend(qkv, cos, sin)  # [s, b', nh*hd/p]
-    x = x + (yield from _scatter(attn.proj.gemm(heads), group))
+    heads = attn.attend(qkv, cos, sin, norm=partial(_norm, weights=weights))  # [s, b', nh*hd/p]
+    x = x + (yield from _scatter(attn.proj.gemm(heads), group, chain))
     first, second = mlp.layers()
-    gathered = yield from _gather(_norm(block.mlp_norm, x, weights), group)
-    y = mlp.activate(first.gemm(gathered))  # [s, b', m/p]
+    gathered = yield from _gather(_norm(block.mlp_norm, x, weights), group, chain)
+    y = mlp.activate(first.gemm(gathered, weights.get(first)))  # [s, b', m/p]
     yield
-    return x + (yield from _scatter(second.gemm(y), group))
+    return x + (yield from _scatter(second.gemm(y), group, chain))
 
 
-def _half(model, ids, weights):
+def _half(model, ids, weights, chain):
     """`Transformer.sharded_logits` on one half of the batch, ids `[s', b']` -> `[s', b', V/p]`."""
     group = model.tp_group
     cos, sin = model.rotary(ids.shape[0])
-    x = yield from _scatter(model.embed.lookup(ids), group)  # [s'/p, b', h]
+    x = yield from _scatter(model.embed.lookup(ids), group, chain)  # [s'/p, b', h]
     for block in model.layers:
-        x = yield from _block(block, x, cos, sin, group, weights)
-    gathered = yield from _gather(_norm(model.norm, x, weights), group)
-    return model.head.gemm(gathered)
+        x = yield from _block(block, x, cos, sin, group, weights, chain)
+    gathered = yield from _gather(_norm(model.norm, x, weights), group, chain)
+    return model.head.gemm(gathered, weights.get(model.head))
 
 
 def split_batch_in_halves(t, dim=1):
@@ -144,9 +168,10 @@ def block_in_halves(block, x, cos, sin, group):
     """One `TransformerBlock` (built with `tp_group=group`) on x `[s/p, b, h]`, its two halves
     interleaved: the same output as `block(x, cos, sin)`."""
     a, b = split_batch_in_halves(x)
-    weights = norm_weights([block.attn_norm, block.mlp_norm], group)
-    return torch.cat(interleave(_block(block, a, cos, sin, group, weights),
-                                _block(block, b, cos, sin, group, weights)), dim=1)
+    chain = Chain()
+    weights = weights_through_f(block, group, chain)
+    return torch.cat(interleave(_block(block, a, cos, sin, group, weights, chain),
+                                _block(block, b, cos, sin, group, weights, chain)), dim=1)
 
 
 class TransformerInHalves(Transformer):
@@ -165,7 +190,7 @@ class TransformerInHalves(Transformer):
         if group_size(self.tp_group) == 1:
             return super().sharded_logits(ids)
         a, b = split_batch_in_halves(ids)
-        norms = [n for block in self.layers for n in (block.attn_norm, block.mlp_norm)]
-        weights = norm_weights(norms + [self.norm], self.tp_group)
-        return torch.cat(interleave(_half(self, a, weights), _half(self, b, weights)),
+        chain = Chain()  # every collective node of this forward, in one line
+        weights = weights_through_f(self, self.tp_group, chain)
+        return torch.cat(interleave(_half(self, a, weights, chain), _half(self, b, weights, chain)),
                          dim=1)  # [s', b, V/p]

@@ -13,19 +13,23 @@ Here each transition is two autograd Functions sharing one `Posted` handle:
 
 and each backward is the forward's conjugate, split the same way, in mirror order. The wait
 node's backward *posts* the conjugate (a reduce-scatter for the gather, an all-gather for the
-scatter); the post node's backward *waits* for it and returns the result. Autograd runs the
-nodes of independent chains in the reverse order of their creation (checked on CPU, torch 2.13:
-the engine takes, among the nodes that are ready, the one created last), so whatever ran
-between the post and the wait in the forward runs, backwards, between the backward's post and
-its wait: the forward's overlap schedule, mirrored, for free.
+scatter); the post node's backward *waits* for it and returns the result.
 
     forward:   post(A)  compute(B)  wait(A)
     backward:  post(A') compute(B)' wait(A')      (A' = A's conjugate, in the order autograd
                                                    runs them: wait(A).backward first)
 
-Correctness does not rest on that order, only the overlap does: the edge from the post node to
-the wait node makes the wait node's backward run first, and every rank builds the same graph,
-so every rank posts the same collectives in the same order.
+What rests on what. Correctness: every rank must post the backward's collectives in the same
+order. The edge from the post node to the wait node orders one transfer's two nodes; the
+order of one transfer against the others (the other half's, the weights' sums) is given by
+`chain` (chain.py): every post and wait of one forward (two halves, a model) created through
+one `Chain` runs, backward, in the reverse order of its creation, on every rank. Without a
+chain (a lone transfer) nothing orders it against other collectives. The overlap: that the
+compute between a post and its wait in the forward runs, backwards, between the backward's
+post and its wait (the forward's schedule, mirrored) rests on the engine's choice among the
+compute nodes ready at once: the one created last (checked on CPU, torch 2.13, by the order
+test in tests/test_halves.py). An engine that chose otherwise would hide less, and give the
+same gradients up to the order of fp32 additions.
 
 The tensor that passes from the post node to the wait node is the transfer's output buffer,
 not yet filled: only the wait node's output may be read. The handle keeps the transfer's input
@@ -36,14 +40,16 @@ run).
 import torch
 
 from ..comm import all_gather_seq, reduce_scatter_seq
+from .chain import Chain
 
 
 class Posted:
     """A transfer in flight between its post node and its wait node (forward), and the
     conjugate in flight between the wait node's backward and the post node's (backward)."""
 
-    def __init__(self, kind, group):
+    def __init__(self, kind, group, chain):
         self.kind, self.group = kind, group
+        self.chain = chain  # the Chain (chain.py) of its post node, and of its wait node to be
         self.sent = self.work = None  # the forward's transfer: its input, its handle
         self.grad = None  # the backward's: (its input, its output buffer, its handle)
         self.tensor = None  # the post node's output (the buffer), the wait node's input
@@ -52,8 +58,14 @@ class Posted:
         """Wait for the transfer (the wait node): its result, through autograd."""
         if self.tensor is None:
             raise RuntimeError(f"{self.kind}: waited for twice; a Posted is waited for once")
-        tensor, self.tensor = self.tensor, None
-        return _Wait.apply(tensor, self)
+        tensor, chain = self.tensor, self.chain
+        # The nodes' ctx hold this handle: past its wait it holds nothing of the forward's.
+        self.tensor = self.chain = None
+        # Linked by an input of its own, not through a link node on the buffer: the transfer
+        # writes the buffer in place while it runs, which a view made before would not allow.
+        before = None if chain.last is tensor else chain.last
+        chain.last = _Wait.apply(tensor, self, before)
+        return chain.last
 
 
 def _start(kind, x, group):
@@ -93,7 +105,8 @@ class _Wait(torch.autograd.Function):
     incoming gradient, hand the gradient on (the post node's backward waits for it)."""
 
     @staticmethod
-    def forward(ctx, buffer, posted):
+    def forward(ctx, buffer, posted, before):
+        # `before`: the chain's last collective's output, an input only for the graph's edge.
         if posted.work is not None:
             posted.work.wait()
         posted.sent = posted.work = None
@@ -104,22 +117,23 @@ class _Wait(torch.autograd.Function):
     def backward(ctx, grad):
         posted = ctx.posted
         posted.grad = _start(CONJUGATE[posted.kind], grad, posted.group)
-        return posted.grad[0], None  # a token: the post node's one input gradient
+        return posted.grad[0], None, None  # a token: the post node's one input gradient
 
 
-def _post(kind, x, group):
-    posted = Posted(kind, group)
-    posted.tensor = _Post.apply(x, posted)
+def _post(kind, x, group, chain):
+    posted = Posted(kind, group, Chain() if chain is None else chain)
+    posted.tensor = posted.chain(_Post.apply, x, posted)
     return posted
 
 
-def post_all_gather_seq(x_local, group):
+def post_all_gather_seq(x_local, group, chain=None):
     """Post sequence parallelism's gather: `[s/p, ...]` -> `[s, ...]` at `.wait()`
-    (backward: a reduce-scatter, posted and waited for in mirror order)."""
-    return _post("all-gather", x_local, group)
+    (backward: a reduce-scatter, posted and waited for in mirror order); its post and its wait
+    nodes linked into `chain` (None: a chain of their own)."""
+    return _post("all-gather", x_local, group, chain)
 
 
-def post_reduce_scatter_seq(x_full, group):
+def post_reduce_scatter_seq(x_full, group, chain=None):
     """Post sequence parallelism's scatter: `[s, ...]` partial sums -> `[s/p, ...]`, this rank's
     rows summed over the group, at `.wait()` (backward: an all-gather, likewise)."""
-    return _post("reduce-scatter", x_full, group)
+    return _post("reduce-scatter", x_full, group, chain)

@@ -151,6 +151,38 @@ def test_ranks_given_different_batches_raise_on_every_rank_never_a_number(pools)
             assert_one_line(messages[key], words, f"rank {rank}, {key} (no error: a number)")
 
 
+def _on_rank_bare_model_with_different_batches():
+    """A bare TP model (no guard), as a reader of model.py builds it, given another batch on
+    rank 1: what it says, once, and that a guarded one says nothing."""
+    import warnings
+
+    group, _, rank = world()
+    bare = Transformer(_config(), tp_group=group)
+    guarded = guard(Transformer(_config(), tp_group=group))
+    ids, labels = _batch(0)
+    other = _batch(1)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare(other if rank == 1 else ids, labels)
+        bare(ids, labels)  # a second call: said once per model
+        said_bare = [str(w.message) for w in caught]
+        caught.clear()
+        guarded(ids, labels)
+        said_guarded = [str(w.message) for w in caught]
+    return said_bare, said_guarded
+
+
+def test_a_bare_tp_model_says_once_on_every_rank_that_it_is_unchecked_naming_guard(pools):
+    """Unguarded, ranks given different batches would all return a mixed loss, silently:
+    the model says so at its first forward, on every rank, naming the call that checks."""
+    for rank, (bare, guarded) in enumerate(pools(2).run(
+            _on_rank_bare_model_with_different_batches)):
+        assert len(bare) == 1, f"rank {rank}: {bare}"
+        assert_one_line(bare[0], ["unchecked", "different batches", "guard(model)"],
+                        f"rank {rank}")
+        assert guarded == [], f"rank {rank}: a guarded model warned: {guarded}"
+
+
 def _on_rank_broadcast_batch():
     """same_batch="broadcast": rank 1 passes another batch of the same shape; the loss and every
     gradient must be the baseline's on rank 0's batch, and rank 1's tensors now hold it."""

@@ -4,7 +4,9 @@ order of posts, GEMMs and waits, forward and backward (the mirror property).
 
 The order test records, inside the ranks, every transfer's post and wait (from outside the
 library, profiling/measure/transfers.py) and every GEMM: a schedule that waits for a transfer
-before the other half computes anything fails it, forward or backward.
+before the other half computes anything fails it, forward or backward. The chain test reads
+the autograd graph itself: the backward's collectives must be ordered by its edges, not by the
+engine's choice among the nodes ready at once.
 """
 import pytest
 import torch
@@ -186,6 +188,44 @@ def _on_rank_handles_alive():
         gc.enable()
 
 
+# The autograd nodes whose backward calls a collective, by their classes' names: the split-phase
+# post and wait (halves/split_phase.py), `f` and `f` over the holders of shared rows (comm.py).
+COLLECTIVE_NODES = ("_PostBackward", "_WaitBackward", "_CopyToTensorParallelRegionBackward",
+                    "_CopyToRowHoldersBackward")
+CHAIN_CASES = {"odd batch, 2 blocks": (CONFIG, 3), "shared k/v head, q/k norms": (GQA, 4)}
+
+
+def _graph(root):
+    """Every node reachable from `root` through `next_functions`."""
+    seen, todo = {root}, [root]
+    while todo:
+        for child, _ in todo.pop().next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _on_rank_collective_chain():
+    """Per case, the collective nodes of one forward to the loss, in the order of their
+    creation (sequence numbers), and each pair of consecutive ones where the earlier node is
+    not reachable from the later: a backward free to run the earlier one first."""
+    group, _, _ = world()
+    out = {}
+    for case, (config, batch) in CHAIN_CASES.items():
+        model = TransformerInHalves(config, group, seed=0)
+        ids = torch.randint(0, config.vocab_size, (batch, 10),
+                            generator=torch.Generator().manual_seed(4))
+        loss = model(ids, ids)
+        nodes = sorted((n for n in _graph(loss.grad_fn) if type(n).__name__ in COLLECTIVE_NODES),
+                       key=lambda n: n._sequence_nr())
+        named = [f"{type(n).__name__}#{n._sequence_nr()}" for n in nodes]
+        out[case] = {"nodes": named, "unordered": [
+            (named[i], named[i + 1]) for i in range(len(nodes) - 1)
+            if nodes[i] not in _graph(nodes[i + 1])]}
+    return out
+
+
 def _on_rank_refusals():
     group, _, _ = world()
     messages = {}
@@ -287,6 +327,28 @@ def test_the_schedule_hides_every_transfer_under_a_gemm_and_the_backward_mirrors
         # The backward's transfers are the forward's, mirrored: reversed, post <-> wait,
         # each collective its conjugate.
         assert _transfers(backward) == _transfers(_mirrored(forward)), (forward, backward)
+
+
+def test_the_backward_collectives_lie_on_one_path_in_the_order_of_their_creation(pools):
+    """Every collective node of a forward (both halves' posts and waits, the `f` of the norms'
+    weights, q/k norms included, and of the shared k/v rows) is reachable from the next one
+    created: the graph runs them, backward, in one order on every rank."""
+    problems = []
+    for rank, cases in enumerate(pools(2).run(_on_rank_collective_chain)):
+        for case, found in cases.items():
+            kinds = {name.split("#")[0] for name in found["nodes"]}
+            # `f` over the holders of shared rows only where the 2 ranks share a k/v head.
+            shares = CHAIN_CASES[case][0].num_kv_heads < 2
+            want = set(COLLECTIVE_NODES) - (set() if shares else {"_CopyToRowHoldersBackward"})
+            if kinds != want:  # a test that found no collectives would prove nothing
+                problems.append(f"rank {rank}, {case}: found {sorted(kinds)}, "
+                                f"expected {sorted(want)}")
+            if found["unordered"]:
+                problems.append(
+                    f"rank {rank}, {case}: {len(found['unordered'])} of "
+                    f"{len(found['nodes']) - 1} consecutive collective nodes not ordered by the "
+                    f"graph (earlier, later): {found['unordered']}")
+    assert not problems, "\n".join(problems)
 
 
 def test_no_transfer_handle_outlives_its_step(pools):
