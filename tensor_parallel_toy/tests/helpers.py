@@ -256,11 +256,14 @@ def train_beside_baseline(config, parallel_step, parallel_params, optimizer_para
 
 
 def compare_with_baseline(config, tp_group, *, overlap=False, ring_pieces=1, steps=2, batch=2,
-                          seq=12, ignore_frac=0.25, label_smoothing=0.0, model_cls=Transformer):
+                          seq=12, ignore_frac=0.25, label_smoothing=0.0, model_cls=Transformer,
+                          sequence_parallel=True):
     """Our TP model (same seed as the baseline), guarded as users guard it, trained beside it:
     train_beside_baseline, the TP loss through the model's vocab-parallel cross-entropy,
     ignored labels included. `model_cls`: Transformer or a subclass (TransformerInHalves)."""
     options = {"overlap": overlap, "ring_pieces": ring_pieces} if overlap else {}
+    if not sequence_parallel:  # classic TP: the same layers, switched
+        options["sequence_parallel"] = False
     tp = guard(model_cls(config, tp_group=tp_group, seed=0, **options).to(current_device()))
 
     def step(ids, labels, base):

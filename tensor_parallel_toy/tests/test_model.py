@@ -23,11 +23,12 @@ from .helpers import (BACKENDS, BATCH, CONFIG, assert_bf16, assert_errors,
 # ----------------------------------------------------------------------------------------------
 # Worker side
 # ----------------------------------------------------------------------------------------------
-def _on_rank_check_model(overlap, steps):
+def _on_rank_check_model(overlap, steps, sequence_parallel=True):
     """Baseline vs TP from the same seed along `steps` SGD steps (helpers.compare_with_baseline:
     logits, loss, every full gradient, the grad norm, the parameters), and a TP model loaded
     from the baseline's state dict, which must hold exactly its weights."""
-    errors = compare_on_world(CONFIG, overlap=overlap, steps=steps)
+    errors = compare_on_world(CONFIG, overlap=overlap, steps=steps,
+                              sequence_parallel=sequence_parallel)
     dev = current_device()
     base = Transformer(CONFIG, seed=0).to(dev)
     loaded = Transformer(CONFIG, tp_group=world()[0], overlap=overlap, seed=99).to(dev)
@@ -113,6 +114,14 @@ def _on_rank_bad_inputs():
 def test_model_logits_loss_and_every_gradient_match_baseline(pools, tp, overlap, backend):
     assert_matches_baseline(pools(tp, backend).run(_on_rank_check_model, overlap, 3), CONFIG,
                             f"model tp={tp} overlap={overlap}")
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_classic_tp_model_without_sequence_parallelism_matches_baseline(pools, tp):
+    """`sequence_parallel=False`: the same layers switched to `f` + GEMM and GEMM + `g`, the
+    norms unsummed (each rank sees every row); an odd length needs no padding."""
+    assert_matches_baseline(pools(tp).run(_on_rank_check_model, False, 2, False), CONFIG,
+                            f"classic TP model tp={tp}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -68,13 +68,14 @@ ROUNDS_PER_BLOCK = 5  # rounds per ratio in the spread of op time / max(comm, GE
 def _forward(op, x, w, group, pieces):
     """The op's forward, both schedules: {False: basic, True: overlapped (the ring, in `pieces`
     pieces per chunk)}, each a zero-argument callable."""
-    return {o: (lambda o=o: op(x, w, None, group, o, pieces)) for o in (False, True)}
+    return {o: (lambda o=o: op(x, w, None, group, overlap=o, ring_pieces=pieces))
+            for o in (False, True)}
 
 
 def _backward(op, x, w, dy, group, pieces):
     """The op's backward, both schedules, each on a graph built once here (a collective: every
     rank builds its ops in the same order) and replayed: the grads of x and w from dy."""
-    graphs = {o: op(x, w, None, group, o, pieces) for o in (False, True)}
+    graphs = {o: op(x, w, None, group, overlap=o, ring_pieces=pieces) for o in (False, True)}
     return {o: (lambda y=y: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
             for o, y in graphs.items()}
 

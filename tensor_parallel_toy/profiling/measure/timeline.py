@@ -35,7 +35,6 @@ from ...guards.collectives import barrier, reduce_numbers
 from ...halves import block_in_halves
 from ...launcher.initialize import current_device
 from ...model import TransformerBlock, draw_full_weights_, rotary_tables
-from ...parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .metrics import stamp
 from .metrics import summarize as distribution
 from .transfers import recording
@@ -161,19 +160,19 @@ def record(spec):
     p, config = dist.get_world_size(group), spec.config
     dtype = spec.torch_dtype
     s, b, h = spec.seq, spec.batch, config.hidden_size
-    cos, sin = (t.to(device) for t in rotary_tables(s, config.head_dim, config.rope_base))
+    # [s, 1, 1, hd/2], as Transformer.rotary shapes them for its blocks
+    cos, sin = (t.to(device)[:, None, None]
+                for t in rotary_tables(s, config.head_dim, config.rope_base))
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(s // p, b, h, generator=gen).to(device, dtype)  # [s/p, b, h]
     dy = torch.randn(s // p, b, h, generator=gen).to(device, dtype)
     modes = ("tp", "tp_overlap") + (("tp_halves",) if "tp_halves" in spec.modes else ())
     blocks, inputs, run = {}, {}, {}
     for mode in modes:
-        blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap")
+        blocks[mode] = TransformerBlock(config, group, overlap=mode == "tp_overlap",
+                                        ring_pieces=spec.ring_pieces)
         run[mode] = (functools.partial(block_in_halves, blocks[mode], group=group)
                      if mode == "tp_halves" else blocks[mode])
-        for layer in blocks[mode].modules():  # as the Transformer cuts its rings
-            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                layer.ring_pieces = spec.ring_pieces
         draw_full_weights_(blocks[mode], group, spec.seed)  # as the Transformer draws its own
         blocks[mode].to(device, dtype)
         inputs[mode] = x.clone().requires_grad_()
