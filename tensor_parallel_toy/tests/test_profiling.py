@@ -225,7 +225,9 @@ def test_saved_activation_bytes_skips_parameters_swapped_in_after_it_started():
 BACKGROUND = {"torchrun": lambda folder: dict(argv=[
     sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
     "tensor_parallel_toy", "profile", *TINY, "--bench-iters", "0", "--timeline-iters", "0",
-    "--out", os.path.join(folder, "torchrun-profile")])}
+    "--out", os.path.join(folder, "torchrun-profile")],
+    # A rank that aborts (C++'s terminate) prints every Python thread's stack first.
+    env={**os.environ, "PYTHONFAULTHANDLER": "1"})}
 
 
 @pytest.mark.background("torchrun")
