@@ -50,10 +50,9 @@ What each style does here, p = TP size:
                       (reduce_scatter_to_sequence_parallel_region); Replicate(): `g`.
                       A 1x1 nn.Conv2d -> PlannedConvRow: its input channels, then `g`.
     SequenceParallel  a module applied to this rank's rows (d = sequence_dim, default 1): its
-                      parameters stay whole and their gradient is summed over the group before
-                      it is accumulated (`f`'s backward, an all-reduce, at the leaf: a hook on
-                      the Parameter, which an engine that replaces Parameters, fully_shard,
-                      would drop; model.py's norms call `f` in forward instead). An
+                      parameters stay whole and their gradient is summed over the group in the
+                      graph: each forward runs with them through `f` (sequence_parallel.py),
+                      as model.py's norms run theirs, so fully_shard and DDP keep the sum. An
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
     NoParallel        parameters replicated on every rank and used on the same data (nothing
                       to sum); it only marks them as planned (torchtitan's name). On a
@@ -115,7 +114,7 @@ from ..parallel_linear import layout_of, shard
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
 from .coverage import check_at_first_forward, check_plan_coverage
-from .leaf_sums import hook_partial_sums, watch_sums
+from .sequence_parallel import sum_gradients_in_graph
 from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
                      PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
@@ -302,7 +301,7 @@ def _replacement(name, mod, style, group, overlap):
     if isinstance(style, SequenceParallel):
         if isinstance(mod, nn.Dropout):
             return SequenceParallelDropout(mod.p, style.sequence_dim, group)
-        hook_partial_sums(mod, group)
+        sum_gradients_in_graph(mod, group)
     return mod
 
 
@@ -390,7 +389,6 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
         new.plan_style = style
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     check_at_first_forward(module)  # local, so before the guard's batch comparison
-    watch_sums(module)
     return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
                  check_replicated_grads=check_replicated_grads)
 
