@@ -148,10 +148,8 @@ class _CopyToRowHolders(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, local, slot, num_shared, group):
-        ctx.local = local
-        ctx.slot = slot
-        ctx.num_shared = num_shared
-        ctx.group = group
+        ctx.local, ctx.slot = local, slot  # this rank's shared rows, and where they go
+        ctx.num_shared, ctx.group = num_shared, group
         return x.view_as(x)
 
     @staticmethod

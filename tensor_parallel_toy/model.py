@@ -147,14 +147,11 @@ class Attention(nn.Module):
 
     def __init__(self, config, tp_group=None, **switches):
         super().__init__()
-        h = config.hidden_size
-        hd = config.head_dim
-        nh = config.num_heads
-        nkv = config.num_kv_heads
+        h, hd = config.hidden_size, config.head_dim
+        nh, nkv = config.num_heads, config.num_kv_heads
         p = group_size(tp_group)
         q_per_kv = nh // nkv
-        self.head_dim = hd
-        self.window = config.sliding_window
+        self.head_dim, self.window = hd, config.sliding_window
         # This rank's query heads per k/v head it holds: all of them, or its share of them.
         self.q_per_kv = q_per_kv // max(p // nkv, 1)
         # Bias rows are laid out like the weight's, so they are split (and shared) the same way.
@@ -289,28 +286,26 @@ class Transformer(nn.Module):
     No checks here: `guard(model)` (guards/) attaches them from outside, at the call site
     (the ranks compare what they built; each batch is checked before the forward's first
     collective; replicated gradients compared at the first backward). A TP model called
-    without them says so once, with a warning.
+    without them says so once, with a warning: unguarded, ranks given different batches return
+    a wrong number, and ranks that built different models hang.
     """
+
+    said_unchecked = False
 
     def __init__(self, config: ModelConfig, tp_group=None, overlap=False, *, ring_pieces=1,
                  sequence_parallel=True, seed=0):
         super().__init__()
         self.tp_size = group_size(tp_group)
         config.check_tp_size(self.tp_size)  # before any layer is built
+        # The layers' switches (parallel_linear.py); the baseline's nn.Linear takes none.
         switches = dict(sequence_parallel=sequence_parallel, overlap=overlap,
                         ring_pieces=ring_pieces)
-        if tp_group is None:
-            switches = {}
-        # Equal sequence chunks, one per rank (with overlap, ring_pieces equal pieces each):
-        # shorter sequences are padded to a multiple of this.
-        self.seq_multiple = 1
-        if sequence_parallel:
-            self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1)
-        self.config = config
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
-        self.overlap = overlap
-        self.seed = seed
+        # Under SP, equal sequence chunks, one per rank (with overlap, ring_pieces equal pieces
+        # each): shorter sequences are padded to a multiple of this.
+        self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1) if sequence_parallel \
+            else 1
+        self.config, self.tp_group, self.seed = config, tp_group, seed
+        self.sequence_parallel, self.overlap = sequence_parallel, overlap
         if tp_group is None:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
@@ -345,8 +340,9 @@ class Transformer(nn.Module):
 
         The loss is computed here, in `forward`, so that an engine which hooks `forward`
         (FSDP's all-gathers, DDP's gradient reduction) sees every training step."""
-        if self.tp_size > 1 and "guards" not in self.__dict__:
-            self.say_unchecked()
+        if self.tp_size > 1 and "guards" not in self.__dict__ and not self.said_unchecked:
+            self.said_unchecked = True  # once per model: unguarded, see the class docstring
+            warnings.warn(UNCHECKED.format(p=self.tp_size), stacklevel=2)
         s = input_ids.shape[1]
         logits = self.sharded_logits(pad_sequence(input_ids.t(), self.seq_multiple, 0))
         if labels is None:
@@ -387,13 +383,6 @@ class Transformer(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                reduction=reduction, **options)
         return loss.view(labels.shape) if reduction == "none" else loss
-
-    def say_unchecked(self):
-        """Once per model: unguarded, ranks given different batches return a wrong number, and
-        ranks that built different models hang."""
-        if "unchecked_said" not in self.__dict__:
-            self.unchecked_said = True
-            warnings.warn(UNCHECKED.format(p=self.tp_size), stacklevel=3)
 
     def loss(self, input_ids, labels, **kwargs):
         """`model(input_ids, labels, **kwargs)`: the same call, so wrappers' hooks run too."""

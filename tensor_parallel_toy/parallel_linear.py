@@ -50,7 +50,7 @@ from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders,
                    copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region, reduce_scatter_seq)
 from .config import check_divisible
-from .ring import GemmRingReduceScatter, RingAllGatherGemm
+from .ring import GemmRingReduceScatter, RingAllGatherGemm, flat
 
 DEFAULT_INIT_STD = 0.02
 
@@ -139,11 +139,6 @@ def init_from_full_(param, layout, init, group):
                        dtype=param.dtype)
     init(full)
     return param.copy_(shard(full, layout, group))
-
-
-def flat(t):
-    """[s, b, n] -> [s*b, n] view (the layers' GEMMs are plain 2-D matmuls)."""
-    return t.reshape(-1, t.shape[-1])
 
 
 def bias_grad(dy):
@@ -276,13 +271,10 @@ class _ParallelLinear(nn.Module):
         if overlap and not sequence_parallel:
             raise ValueError("overlap=True with sequence_parallel=False: the ring moves "
                              "sequence chunks; turn sequence parallelism on, or overlap off")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.tp_group = tp_group
-        self.tp_size = group_size(tp_group)
-        self.sequence_parallel = sequence_parallel
-        self.overlap = overlap
-        self.ring_pieces = ring_pieces
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.tp_size = tp_group, group_size(tp_group)
+        self.sequence_parallel = sequence_parallel  # generation switches it off for a call
+        self.overlap, self.ring_pieces = overlap, ring_pieces
         self.weight = nn.Parameter(torch.empty(out_rows, in_cols, device=device, dtype=dtype))
         set_layout(self, "weight", dim=split_dim, rows=rows)
         self.bias = None
@@ -422,10 +414,8 @@ def row_parallel_or_plain(in_features, out_features, tp_group=None, *, bias=Fals
                           init_std=DEFAULT_INIT_STD, **switches):
     """`nn.Linear` for the non-TP baseline (tp_group=None), else a RowParallelLinear whose
     weights the model draws (`init_weights=False`)."""
-    if tp_group is None:
-        layer = nn.Linear(in_features, out_features, bias=bias)
-    else:
-        layer = RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                  init_weights=False, **switches)
+    layer = nn.Linear(in_features, out_features, bias=bias) if tp_group is None else \
+        RowParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
+                          init_weights=False, **switches)
     set_layout(layer, "weight", dim=layout_of(layer, "weight").dim, init_std=init_std)
     return layer

@@ -179,8 +179,7 @@ class RingAllGatherGemm(torch.autograd.Function):
 
         ring_all_gather(x_local, consume, ring)
         ctx.save_for_backward(x_local, weight)
-        ctx.group = group
-        ctx.pieces = pieces
+        ctx.group, ctx.pieces = group, pieces
         ctx.has_bias = bias is not None
         return y
 
@@ -219,8 +218,7 @@ class GemmRingReduceScatter(torch.autograd.Function):
         if bias is not None:  # replicated: added once, to this rank's rows of the sum
             y_local = y_local + bias
         ctx.save_for_backward(x, weight)
-        ctx.group = group
-        ctx.pieces = pieces
+        ctx.group, ctx.pieces = group, pieces
         ctx.has_bias = bias is not None
         return y_local
 
