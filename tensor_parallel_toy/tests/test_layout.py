@@ -346,3 +346,67 @@ def test_layout_checker_allows_a_test_to_read_its_own_module(tmp_path):
         "from tensor_parallel_toy import comm\nfrom tensor_parallel_toy.comm import _x\n"
         "y = comm._recorder\n")
     assert layout_problems(str(package)) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# One forward for every use
+# ----------------------------------------------------------------------------------------------
+# The operations the forward is made of, each written once, in the kernel: a client (the plan's
+# layers, classic TP, generation, the halves) calls the kernel's layer or its piece instead.
+ONE_CALL_SITE = {"scaled_dot_product_attention": "model.py", "embedding": "vocab_parallel.py"}
+# What only the kernel's layers may call: a client calling them writes its own layer.
+KERNEL_ONLY = ("linear", "reduce_from_tensor_parallel_region", "copy_to_row_holders")
+
+
+def forward_copies(package_dir):
+    """One line per call that makes a second copy of a piece of the forward outside the
+    kernel: attention or an embedding lookup called anywhere but their one site, a GEMM or a
+    layer's sum (`F.linear`, `g`) called by a library client (the harness, the post, the
+    examples and the tests measure and check, and may)."""
+    kernel = set(reading_path(package_dir))
+    found, problems = {name: [] for name in ONE_CALL_SITE}, []
+    for module, path in sorted(_modules(package_dir).items()):
+        rel = os.path.relpath(path, package_dir)
+        if _room(module) != "library" or rel.startswith("examples" + os.sep):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            if name in found:
+                found[name].append(f"{rel}:{node.lineno}")
+            if name in KERNEL_ONLY and rel not in kernel:
+                problems.append(f"{rel}:{node.lineno} calls {name}: a layer of its own; call "
+                                f"the kernel's layer or its piece (gemm, lookup, attend)")
+    for name, sites in found.items():
+        if sites != [s for s in sites if s.startswith(ONE_CALL_SITE[name] + ":")] or \
+                len(sites) != 1:
+            problems.append(f"{name} called at {sites}: once, in {ONE_CALL_SITE[name]}")
+    return problems
+
+
+def test_attention_the_embedding_lookup_and_the_layers_are_written_once():
+    """Generation, the halves, the plan's layers and classic TP run the kernel's forward: one
+    call site of scaled-dot-product attention and of the embedding lookup in the library, and
+    no GEMM or sum of a layer of their own."""
+    problems = forward_copies(PACKAGE_DIR)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_one_forward_rule_catches_a_private_attention_and_a_private_row_layer(tmp_path):
+    import shutil
+
+    copy = tmp_path / PACKAGE
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    generate = copy / "inference" / "generate.py"
+    generate.write_text(generate.read_text() + (
+        "\n\ndef _attention(q, k, v):\n"
+        "    return torch.nn.functional.scaled_dot_product_attention(q, k, v)\n"
+        "\n\ndef _row(layer, x, group):\n"
+        "    return reduce_from_tensor_parallel_region(F.linear(x, layer.weight), group)\n"))
+    problems = forward_copies(str(copy))
+    assert any("scaled_dot_product_attention called at" in p for p in problems), problems
+    assert sum("inference/generate.py" in p and "a layer of its own" in p
+               for p in problems) == 2, problems
