@@ -105,11 +105,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-from ..guards.agreement import check_ranks_agree, check_same_batch_option, module_fingerprint
-from ..guards.guard import guard
 from ..comm import group_size
-from ..config import check_divisible
-from ..guards.replicated_grads import check_every_option
+from ..config import check_divisible, check_overlap_option
+from ..guards.agreement import check_ranks_agree, module_fingerprint
+from ..guards.guard import attach_guards, guard_options
 from ..parallel_linear import layout_of, shard
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
                      PlannedRow, SequenceParallelDropout)
@@ -355,25 +354,30 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
 
     Every rank must hold the same full weights beforehand (same seed or checkpoint): each keeps
     its shards of them. `overlap=True`: the sequence-parallel layers use the ring
-    (parallel_linear.py). It ends with `guard(module, tp_group, ...)` (guards/guard.py), with
-    these three options: the ranks fed the same batch, ids in range, every parameter kept
-    whole with the same gradient on every rank after the first backward.
+    (parallel_linear.py). It ends with `guard`'s checks attached (guards/guard.py,
+    `attach_guards`), with these three options: the ranks fed the same batch, ids in range,
+    every parameter kept whole with the same gradient on every rank after the first backward.
     `tp_seed` (re)seeds the TP region's random stream (random.py; None: torch.initial_seed()
     when the group's stream is first made), `module.tp_random` after the call.
 
     Everything is checked before any communication (see the module docstring); then the ranks
-    compare the plan, every parameter's shape, dtype and a checksum of its values, in one tiny
-    all-gather, so ranks holding different weights or plans are refused on every rank.
+    compare the plan, the options, every parameter's shape, dtype and a checksum of its values,
+    in one tiny all-gather, so ranks holding different weights, plans or guards are refused on
+    every rank: the door's one comparison (the guard does not compare again after the split).
     """
-    check_every_option(check_replicated_grads)
-    check_same_batch_option(same_batch)
+    options = guard_options(check_ids=check_ids, same_batch=same_batch,
+                            check_replicated_grads=check_replicated_grads)
+    check_overlap_option(overlap)
     p = group_size(tp_group)
     matched = resolve_plan(module, plan, p)
     values = {f"sum:{n}": repr(t.detach().double().sum().item())
               for n, t in module.named_parameters()}
     styles = sorted(((n, s) for n, (_, s) in matched.items()), key=repr)
+    # The one comparison of this door: the full weights, the plan and the options, before the
+    # split (the shards then follow from them alike on every rank; `attach_guards` below does
+    # not compare again).
     check_ranks_agree(module_fingerprint(module, plan=repr(styles), overlap=overlap, tp_size=p,
-                                         **values, check_replicated_grads=check_replicated_grads),
+                                         **values, **options),
                       tp_group, "models or plans for parallelize_module")
     for name, (mod, style) in matched.items():
         new = _replacement(name, mod, style, tp_group, overlap)
@@ -389,8 +393,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
         new.plan_style = style
     module.tp_random = attach_random_stream(module, tp_group, tp_seed)
     check_at_first_forward(module)  # local, so before the guard's batch comparison
-    return guard(module, tp_group, check_ids=check_ids, same_batch=same_batch,
-                 check_replicated_grads=check_replicated_grads)
+    return attach_guards(module, tp_group, options)
 
 
 __all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",

@@ -109,31 +109,48 @@ def guard(model, tp_group=None, *, check_ids=None, same_batch="check",
           check_replicated_grads="first"):
     """Attach the checks above to `model` (any nn.Module split over `tp_group`; by default the
     model's own `tp_group`) and return it. Every rank of the group must call it alike."""
-    check_same_batch_option(same_batch)
-    check_every_option(check_replicated_grads)
+    options = guard_options(check_ids=check_ids, same_batch=same_batch,
+                            check_replicated_grads=check_replicated_grads)
     for module in model.modules():  # the package's layers, and the Transformer
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             check_overlap_option(module.overlap, module.ring_pieces)
         elif isinstance(module, Transformer):
             check_overlap_option(module.overlap)
-    if check_ids not in (None, True, False):
-        raise ValueError(f"check_ids={check_ids!r}: valid are None (on the CPU only), True, "
-                         f"False")
     own = getattr(model, "tp_group", None)
     if tp_group is None:
         tp_group = own
     elif own is not None and own is not tp_group:
         raise ValueError("guard(model, tp_group): the model was built over another group; "
                          "leave tp_group out to use the model's own")
+    if group_size(tp_group) > 1:
+        check_ranks_agree(_fingerprint(model, tp_group, options), tp_group,
+                          f"{type(model).__name__}s")  # one tiny all-gather
+    return attach_guards(model, tp_group, options)
+
+
+def guard_options(*, check_ids, same_batch, check_replicated_grads):
+    """`guard`'s options, each checked (one line naming a bad value), as a dict; a door that
+    splits a model itself checks them before it starts (parallelize_module)."""
+    check_same_batch_option(same_batch)
+    check_every_option(check_replicated_grads)
+    if check_ids not in (None, True, False):
+        raise ValueError(f"check_ids={check_ids!r}: valid are None (on the CPU only), True, "
+                         f"False")
+    return dict(check_ids=check_ids, same_batch=same_batch,
+                check_replicated_grads=check_replicated_grads)
+
+
+def attach_guards(model, tp_group, options):
+    """The checks themselves, attached (steps 2 to 4 above), once the ranks have compared what
+    they hold: `guard` compares the model as it is; a door that splits a model compares it,
+    with the plan and the options, before the split (parallelize_module), and not again."""
     if getattr(model, "guards", None) is not None:
         model.guards.remove()
-    options = dict(check_ids=check_ids, same_batch=same_batch,
-                   check_replicated_grads=check_replicated_grads)
+    check_ids, same_batch = options["check_ids"], options["same_batch"]
+    check_replicated_grads = options["check_replicated_grads"]
     model.guards = Guards(tp_group, handles=[], **options)
     if group_size(tp_group) == 1:
         return model
-    check_ranks_agree(_fingerprint(model, tp_group, options), tp_group,
-                      f"{type(model).__name__}s")  # one tiny all-gather
     model.guards.handles += _attach_batch_check(model, tp_group, check_ids, same_batch)
     # The package's Transformer checks its ids with the rest of its batch (batch.py). Any other
     # model: each embedding, split by us (VocabParallelEmbedding), by DTensor or not at all.

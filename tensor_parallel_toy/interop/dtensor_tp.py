@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..guards.agreement import check_ranks_agree, module_fingerprint
 from ..comm import all_reduce_
 from ..config import check_divisible, pad_sequence
-from ..guards.guard import guard
+from ..guards.guard import attach_guards, guard, guard_options
 from ..guards.replicated_grads import check_every_option
 
 
@@ -307,19 +307,23 @@ def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads="first"):
 
     Refused in one line before any collective: another model type, tied embeddings, sizes the
     TP size does not divide, and a module holding parameters the plan does not cover.
-    It ends with `guard(hf_model, group, check_replicated_grads=...)` (guards/guard.py): the
+    It ends with `guard`'s checks attached (guards/guard.py, `attach_guards`; the ranks compared
+    the model and the options before the split, once): the
     ranks agree on the model and each batch, ids in range, and after the first backward
     ("first", the default, or N; None: off) every replicated gradient that is not a DTensor
     `Partial` is the same on every rank (replicated_grads.py)."""
     check_hf_plan(hf_model.config, tp_mesh.size())
     plan = hf_plan(hf_model.config)
     check_plan_covers(hf_model, plan)
-    check_every_option(check_replicated_grads)
+    options = guard_options(check_ids=None, same_batch="check",
+                            check_replicated_grads=check_replicated_grads)
     group = tp_mesh.get_group()
-    check_ranks_agree(module_fingerprint(hf_model, model_type=hf_model.config.model_type),
-                      group, "Hugging Face models")  # before any collective of the plan
+    # The door's one comparison, before any collective of the plan; the guard's checks are
+    # then attached without comparing again.
+    check_ranks_agree(module_fingerprint(hf_model, model_type=hf_model.config.model_type,
+                                         **options), group, "Hugging Face models")
     hf_model = parallelize_module(hf_model, tp_mesh, plan)
-    return guard(hf_model, group, check_replicated_grads=check_replicated_grads)
+    return attach_guards(hf_model, group, options)
 
 
 def pad_to_tp_size(input_ids, labels, tp_size, *, pad_id=0, ignore_index=-100):

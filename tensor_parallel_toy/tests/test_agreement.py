@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from tensor_parallel_toy import (ColumnParallelLinear, ModelConfig, RowParallelLinear,
                                  Transformer, VocabParallelEmbedding, guard)
+from tensor_parallel_toy.apply import ColwiseParallel, RowwiseParallel, parallelize_module
 from tensor_parallel_toy.support.sharding import full_grads
 from tensor_parallel_toy.guards.agreement import check_ranks_agree, module_fingerprint
 from tensor_parallel_toy.interop.data_parallel import init_mesh_2d
@@ -91,6 +92,10 @@ def _on_rank_construction_transfers():
         "ColumnParallelLinear": lambda: guard(ColumnParallelLinear(8, 16, tp_group=group)),
         "RowParallelLinear": lambda: guard(RowParallelLinear(16, 8, tp_group=group, bias=True)),
         "VocabParallelEmbedding": lambda: guard(VocabParallelEmbedding(64, 8, tp_group=group)),
+        # A door that splits the model compares it once, before the split, not again after.
+        "a plan": lambda: parallelize_module(
+            nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), group,
+            {"0": ColwiseParallel(), "2": RowwiseParallel()}),
     }.items():
         with recording(_Counter()) as counter:
             build()
@@ -100,7 +105,8 @@ def _on_rank_construction_transfers():
 
 
 def test_guarding_a_model_or_layer_costs_one_tiny_all_gather(pools):
-    """Not one per layer: the whole model is compared once, when it is guarded."""
+    """Not one per layer: the whole model is compared once, when it is guarded, and a plan's
+    model once, before its split (the guard's checks then attached without a second)."""
     for rank, built in enumerate(pools(2).run(_on_rank_construction_transfers)):
         for what, (kinds, nbytes) in built.items():
             assert kinds == ["all-gather"] and nbytes == 8, f"rank {rank}, {what}: {kinds}, " \
