@@ -3,7 +3,7 @@
 Every door into the package ends here, with the same checks made by the same code:
 
     model = guard(Transformer(config, tp_group=g))     # the package's model: at the call site
-    parallelize_module(model, g, plan)                 # a plan: calls guard() at its end
+    parallelize_module(model, g, plan)                 # a plan: the same checks at its end
     apply_tensor_parallel(model, g)                    # classic TP: a plan, so the same
 
 What `guard` does (each rank; every check raises the same one-line error on every rank):
