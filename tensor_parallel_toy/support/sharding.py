@@ -17,6 +17,7 @@ import functools
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import all_gather_dim, all_reduce_, group_rank, group_size
 from ..parallel_linear import Layout, full_shape, layout_of, shard
@@ -108,12 +109,19 @@ def scatter_data_parallel(value, param):
 
 # ----------------------------------------------------------------------------------------------
 # A model's full weights and gradients (the package's Transformer, or any module holding its
-# `tp_group`), bare or wrapped by fully_shard (call them on `ddp.module` under DDP)
+# `tp_group`), bare or wrapped by fully_shard or DDP, by the package or by hand
 # ----------------------------------------------------------------------------------------------
+def unwrapped(model):
+    """The model inside a DDP wrapper (its names and its `tp_group` are the model's), or the
+    model itself (`fully_shard` wraps in place)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 @torch.no_grad()
 def load_full_state_dict(model, state_dict):
     """Load a baseline `Transformer(config).state_dict()` (full tensors under the baseline's
     keys) into `model`, each rank keeping its shards."""
+    model = unwrapped(model)
     group = model.tp_group
     for name, param, layout in named_layouts(model):
         full = state_dict[name]
@@ -129,6 +137,7 @@ def load_full_state_dict(model, state_dict):
 @torch.no_grad()
 def full_state_dict(model):
     """Full (unsharded) parameters under the baseline's keys, on every rank (a collective)."""
+    model = unwrapped(model)
     return {n: unshard(gather_data_parallel(p.detach()), layout, model.tp_group)
             for n, p, layout in named_layouts(model)}
 
@@ -136,6 +145,7 @@ def full_state_dict(model):
 @torch.no_grad()
 def full_grads(model):
     """Full (unsharded) gradients under the baseline's keys, on every rank (a collective)."""
+    model = unwrapped(model)
     return {n: None if p.grad is None else
             unshard(gather_data_parallel(p.grad), layout, model.tp_group)
             for n, p, layout in named_layouts(model)}
@@ -185,4 +195,4 @@ def grad_norm(model, tp_group=None):
 __all__ = ["Layout", "counted_rows", "first_holder", "full_grads", "full_state_dict",
            "gather_data_parallel", "grad_norm", "layout_of", "layouts", "load_full_state_dict",
            "named_layouts", "scatter_data_parallel", "tensor_parallel_dim",
-           "tensor_parallel_rows", "unshard"]
+           "tensor_parallel_rows", "unshard", "unwrapped"]

@@ -120,17 +120,22 @@ def test_2x2_fsdp_bf16_mixed_precision_is_as_close_as_single_device_bf16(pools):
     assert_bf16(per_rank, "2x2 fsdp x ours, bf16 params / fp32 reduce")
 
 
-def _on_rank_fully_shard_by_hand():
-    """FSDP2 applied by hand, as PyTorch's docs teach (each block, then the root; no package
-    helper told anything), over the TP model: its full weights and gradients read back."""
+def _on_rank_wrapped_by_hand(wrap):
+    """FSDP2 applied by hand, as PyTorch's docs teach (each block, then the root), or DDP, over
+    the TP model, no package helper told anything: its full weights and gradients read back
+    from the wrapped model."""
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
     mesh = mesh_2x2()
     model = Transformer(CONFIG, tp_group=mesh["tp"].get_group(), seed=0)
     before = dict(model.named_parameters())
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    if wrap == "fully_shard":
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model = DistributedDataParallel(model, device_mesh=mesh["dp"])
     baseline = Transformer(CONFIG, seed=0)
     ids, labels = random_batch(CONFIG, 2, 16, seed=3)  # the same batch on every rank
     model(ids, labels).backward()
@@ -140,17 +145,19 @@ def _on_rank_fully_shard_by_hand():
     errors = {f"weight {n}": max_rel_error(t, want[n].detach()) for n, t in weights.items()}
     errors.update({f"grad {n}": max_rel_error(t, want[n].grad) for n, t in grads.items()})
     errors["names missing"] = float(len(set(want) - set(weights)))
-    errors["Parameters not replaced"] = float(sum(
-        p is before[n] for n, p in model.named_parameters()))
+    if wrap == "fully_shard":  # what makes marks on the Parameters useless
+        errors["Parameters not replaced"] = float(sum(
+            p is before[n] for n, p in model.named_parameters()))
     return errors
 
 
-def test_full_weights_and_grads_after_fully_shard_by_hand_equal_one_device(pools):
+@pytest.mark.parametrize("wrap", ["fully_shard", "ddp"])
+def test_full_weights_and_grads_after_wrapping_by_hand_equal_one_device(pools, wrap):
     """fully_shard replaces every Parameter; the layouts live on the modules, so the full
     weights and gradients read back from a model wrapped by hand (2 x 2: dp x tp) are one
-    device's, never a TP shard returned as if whole."""
-    assert_errors(pools(4).run(_on_rank_fully_shard_by_hand), MODEL_FP32_TOL,
-                  "full_state_dict / full_grads after fully_shard by hand")
+    device's, never a TP shard returned as if whole; DDP's wrapper is looked through."""
+    assert_errors(pools(4).run(_on_rank_wrapped_by_hand, wrap), MODEL_FP32_TOL,
+                  f"full_state_dict / full_grads after {wrap} by hand")
 
 
 def _on_rank_bad_mesh():

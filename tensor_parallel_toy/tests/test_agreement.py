@@ -83,6 +83,12 @@ def test_ranks_that_build_different_models_raise_on_every_rank_naming_each_value
         {k: m for k, (m, _) in per_rank[1].items()}, "the ranks raised different messages"
 
 
+def _mlp(seed):
+    """The same small MLP on every rank, whatever the ranks drew before."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
 def _on_rank_construction_transfers():
     """The transfers each construction makes when the ranks agree: {what: [kinds], bytes}."""
     group, _, _ = world()
@@ -93,9 +99,8 @@ def _on_rank_construction_transfers():
         "RowParallelLinear": lambda: guard(RowParallelLinear(16, 8, tp_group=group, bias=True)),
         "VocabParallelEmbedding": lambda: guard(VocabParallelEmbedding(64, 8, tp_group=group)),
         # A door that splits the model compares it once, before the split, not again after.
-        "a plan": lambda: parallelize_module(
-            nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), group,
-            {"0": ColwiseParallel(), "2": RowwiseParallel()}),
+        "a plan": lambda: parallelize_module(_mlp(seed=0), group,
+                                             {"0": ColwiseParallel(), "2": RowwiseParallel()}),
     }.items():
         with recording(_Counter()) as counter:
             build()
