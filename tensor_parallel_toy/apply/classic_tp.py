@@ -214,7 +214,7 @@ def sync_replicated_gradients(model, tp_group):
     Under classic TP a replicated parameter (a norm, a layer outside the blocks, a row layer's
     bias) sees the same inputs and gradients on every rank, so its gradients agree up to the
     order of floating-point operations. Averaging them at each step keeps the replicas from
-    drifting apart over a long run. Sharded parameters (`tensor_parallel_dim` set) are left
+    drifting apart over a long run. Sharded parameters (their layout's `dim` set) are left
     alone: each rank's is a different slice. Call after backward, before the optimizer step.
     There is no sequence parallelism here, so no partial sums: nothing to add up in backward.
     """

@@ -30,8 +30,8 @@ that worst case stays below it up to 256 elements, and rounding errors of random
 entry by about u ||g||, 16 times less than the tolerance, at any size. A gradient left as
 per-rank partial sums differs between ranks by about its own norm: 16 times the tolerance.
 
-Which parameters are compared: those no rank splits, read from the metadata (sharding.py: no
-`tensor_parallel_dim`) and, for DTensor parameters, from the placement on the TP group's mesh
+Which parameters are compared: those no rank splits, read from their modules' layouts
+(sharding.py: a `Layout` whose `dim` is None) and, for DTensor parameters, from the placement on the TP group's mesh
 dimension. A DTensor gradient placed `Partial()` (the sequence-parallel norms of a DTensor plan
 before `reduce_partial_grads`) is left out: DTensor knows it is partial and sums it when it is
 read; the trap is a parameter nobody knows about. A DTensor on a mesh without the TP group

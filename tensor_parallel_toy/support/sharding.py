@@ -158,7 +158,7 @@ def full_grads(model):
 def grad_norm(model, tp_group=None):
     """Global L2 norm of all gradients, as if the model were not split.
 
-    A sharded parameter (`tensor_parallel_dim` set) has a different slice of its gradient on
+    A sharded parameter (its layout's `dim` set) has a different slice of its gradient on
     each rank: square-sum locally, then sum over the group; rows that several ranks hold (see
     `RowSplit`: their gradients were summed over them in backward) count on the first of them
     only. A replicated parameter has the same full gradient on every rank (its
