@@ -24,7 +24,7 @@ from .config import ModelConfig, RopeScaling
 from .guards import RanksDisagreeError, guard
 from .interop.dtensor_tp import parallelize_hf_model
 from .interop.hf_checkpoint import from_hf, to_hf
-from .launcher.initialize import init_from_env, shutdown
+from .launcher.initialize import current_device, init_from_env, shutdown
 from .launcher.pool import WorkerPool, launch
 from .model import Transformer
 from .parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
@@ -35,6 +35,7 @@ from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 __all__ = ["ColumnParallelLinear", "ModelConfig", "RanksDisagreeError", "RopeScaling",
            "RowParallelLinear", "Transformer", "VocabParallelEmbedding", "WorkerPool",
            "apply_tensor_parallel", "column_parallel_linear", "compare_with_one_device",
+           "current_device",
            "from_hf", "full_grads", "full_state_dict", "grad_norm", "guard", "init_from_env",
            "launch", "load_full_state_dict", "parallelize_hf_model", "parallelize_module",
            "row_parallel_linear", "shutdown", "sync_replicated_gradients", "to_hf",

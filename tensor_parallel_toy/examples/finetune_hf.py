@@ -24,7 +24,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import (Transformer, from_hf, full_state_dict, guard,
+from tensor_parallel_toy import (Transformer, current_device, from_hf, full_state_dict, guard,
                                  load_full_state_dict, to_hf)
 from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
@@ -64,19 +64,22 @@ def run_rank(options):
     group, rank = dist.group.WORLD, dist.get_rank()
     hf = hf_model(options)
     config, state = from_hf(hf, max_seq_len=options.seq)  # rotary tables for --seq tokens
-    model = guard(Transformer(config, tp_group=group, overlap=options.overlap))  # the checks
+    device = current_device()  # this rank's GPU under NCCL, else the CPU
+    model = guard(Transformer(config, tp_group=group, overlap=options.overlap).to(device))
     load_full_state_dict(model, state)  # each rank keeps its shards
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
     corpus, losses = make_corpus(seed=options.seed), []
     for step in range(options.steps):
-        ids, labels = batch(corpus, step, options.batch, options.seq, options.seed)  # [b, s]
+        ids, labels = batch(corpus, step, options.batch, options.seq, options.seed,
+                            device=device)  # [b, s]
         loss = model(ids, labels)  # the same full batch on every rank
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     trained = to_hf(config, full_state_dict(model))  # a collective: every rank gathers
-    ids = batch(corpus, options.steps, options.batch, options.seq, options.seed)[0]
+    ids = batch(corpus, options.steps, options.batch, options.seq, options.seed,
+                device=device)[0]
     with torch.no_grad():
         logits = model(ids)  # [b, s, V], gathered on every rank
     result = {"losses": losses, "error": None, "out": options.out}
@@ -91,9 +94,9 @@ def run_rank(options):
             hf.save_pretrained(out)
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(out,
                                                                          dtype=torch.float32)
-        with torch.no_grad():
-            want = reloaded(ids).logits
-        result["error"] = ((logits - want).abs().max() / want.abs().max()).item()
+        with torch.no_grad():  # transformers' model, reloaded on the CPU
+            want = reloaded(ids.cpu()).logits
+        result["error"] = ((logits.cpu() - want).abs().max() / want.abs().max()).item()
     dist.barrier()  # no rank leaves while rank 0 still writes
     return result
 

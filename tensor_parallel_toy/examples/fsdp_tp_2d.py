@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from tensor_parallel_toy import ModelConfig, Transformer, guard, launch, load_full_state_dict
+from tensor_parallel_toy import (ModelConfig, Transformer, current_device, guard, launch,
+                                 load_full_state_dict)
 from tensor_parallel_toy.comm import all_reduce_
 from tensor_parallel_toy.interop.data_parallel import (apply_fsdp, data_parallel_loss, init_mesh_2d,
                                                split_batch)
@@ -30,17 +31,18 @@ def run_rank():
     """The 2-D model and the one-device model trained side by side; returns both loss lists."""
     corpus = make_corpus()
     mesh = init_mesh_2d(DP, TP)  # dimensions ("dp", "tp"); every rank calls it
-    baseline = Transformer(CONFIG, seed=0)
+    device = current_device()  # this rank's GPU under NCCL, else the CPU
+    baseline = Transformer(CONFIG, seed=0).to(device)
     # Under FSDP2 the gradient watch's end-of-backward is not ordered against FSDP2's own:
     # the other checks only (guards/replicated_grads.py says what to call instead).
-    model = guard(Transformer(CONFIG, tp_group=mesh["tp"].get_group(), overlap=True, seed=0),
-                  check_replicated_grads=None)
+    model = guard(Transformer(CONFIG, tp_group=mesh["tp"].get_group(), overlap=True,
+                              seed=0).to(device), check_replicated_grads=None)
     load_full_state_dict(model, baseline.state_dict())  # before FSDP shards it
     apply_fsdp(model, mesh)
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, baseline)]
     losses = {"2d": [], "one_device": []}
     for step in range(STEPS):
-        ids, labels = batch(corpus, step, GLOBAL_BATCH, SEQ)  # the global batch, every rank
+        ids, labels = batch(corpus, step, GLOBAL_BATCH, SEQ, device=device)  # the global batch
         dp_group = mesh["dp"].get_group()
         mine = data_parallel_loss(model, split_batch(ids, dp_group), split_batch(labels, dp_group),
                                   dp_group)  # this rank's share: the mean over DP is the loss

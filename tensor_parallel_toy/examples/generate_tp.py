@@ -13,7 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import ModelConfig, Transformer, full_state_dict, guard, launch
+from tensor_parallel_toy import (ModelConfig, Transformer, current_device, full_state_dict, guard,
+                                 launch)
 from tensor_parallel_toy.inference.generate import generate
 from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
@@ -40,25 +41,26 @@ def decode(tokens, mask):
 
 def run_rank(steps=300, new_tokens=40):
     """Train under TP, then generate greedily and sampled under TP and on one device."""
-    corpus = make_corpus()
-    tp = guard(Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0))
+    corpus, device = make_corpus(), current_device()  # this rank's GPU under NCCL, else CPU
+    tp = guard(Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0).to(device))
     optimizer = torch.optim.AdamW(tp.parameters(), lr=3e-3)
     for step in range(steps):
-        ids, labels = batch(corpus, step, 8, 32)
+        ids, labels = batch(corpus, step, 8, 32, device=device)
         tp(ids, labels).backward()
         optimizer.step()
         optimizer.zero_grad()
-    one = Transformer(CONFIG, seed=1)
+    one = Transformer(CONFIG, seed=1).to(device)
     one.load_state_dict(full_state_dict(tp))  # the very same weights, on one device
-    ids, mask = encode(PROMPTS)
+    ids, mask = (t.to(device) for t in encode(PROMPTS))
     out = {}
     for name, kwargs in [("greedy", {}), ("sampled", dict(do_sample=True, temperature=0.7,
                                                            top_k=10, seed=0))]:
         args = dict(max_new_tokens=new_tokens, **kwargs)
         out[name] = (generate(tp.eval(), ids, mask, **args), generate(one.eval(), ids, mask,
                                                                        **args))
-    out["mask"] = torch.cat([mask, torch.ones(len(PROMPTS), new_tokens, dtype=torch.long)], 1)
-    return out
+    out["mask"] = torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, new_tokens)], 1)
+    return {name: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu()
+            for name, v in out.items()}  # home to the launcher
 
 
 def main(argv=None):

@@ -32,7 +32,7 @@ from tensor_parallel_toy.apply import (ColwiseParallel, RowwiseParallel, Sequenc
                                        compare_with_one_device, parallelize_module,
                                        rank_major_rows, torch_plan)
 from tensor_parallel_toy.apply.compare import relative_error
-from tensor_parallel_toy import launch
+from tensor_parallel_toy import current_device, launch
 from tensor_parallel_toy.parallel_linear import shard
 from tensor_parallel_toy.support.sharding import layouts
 
@@ -147,9 +147,10 @@ TOL = 1e-5  # fp32: TP only changes the order of additions
 
 
 def batch_of(step, config=CONFIG, seq=SEQ):
-    """ids and targets (B, T), the same on every rank."""
+    """ids and targets (B, T), the same on every rank, on its device (its GPU under NCCL)."""
     gen = torch.Generator().manual_seed(step)
     ids = torch.randint(0, config.vocab_size, (BATCH, seq + 1), generator=gen)
+    ids = ids.to(current_device())
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -162,7 +163,7 @@ def train_beside_one_device(config, group, overlap, steps=STEPS):
     device's, so the two runs are the same computation)."""
     config = dataclasses.replace(config, dropout=DROPOUT)
     torch.manual_seed(0)
-    one = GPT(config)
+    one = GPT(config).to(current_device())
     tp = parallelize_module(copy.deepcopy(one), group, make_plan(config), overlap=overlap,
                             check_replicated_grads="first")
     losses = {"tp": [], "one device": []}
@@ -187,7 +188,7 @@ def against_torch(config, group):
     p = dist.get_world_size(group)
     plan = make_plan(config)
     torch.manual_seed(0)
-    base = GPT(config)
+    base = GPT(config).to(current_device())
     ours = parallelize_module(copy.deepcopy(base), group, plan)
     theirs = copy.deepcopy(base)
     # PyTorch splits a Linear's rows contiguously: lay c_attn's rows out rank by rank first.
@@ -196,7 +197,8 @@ def against_torch(config, group):
         for block in theirs.transformer.h:
             for t in (block.attn.c_attn.weight, block.attn.c_attn.bias):
                 t.copy_(t[order])
-    theirs = torch_parallelize(theirs, DeviceMesh.from_group(group, "cpu"), torch_plan(plan))
+    theirs = torch_parallelize(theirs, DeviceMesh.from_group(group, current_device().type),
+                               torch_plan(plan))
     theirs.transformer.wte.weight = theirs.lm_head.weight  # parallelize_module untied them
     ids, targets = batch_of(0, config)
     loss_ours, loss_theirs = gpt_loss(ours, (ids, targets)), gpt_loss(theirs, (ids, targets))
@@ -218,8 +220,8 @@ def run_rank(config=CONFIG, overlap=True):
     group = dist.group.WORLD
     torch.manual_seed(0)
     report = compare_with_one_device(
-        lambda: GPT(config), lambda m, g: parallelize_module(m, g, make_plan(config),
-                                                             overlap=overlap),
+        lambda: GPT(config).to(current_device()),
+        lambda m, g: parallelize_module(m, g, make_plan(config), overlap=overlap),
         batch_of(0, config), gpt_loss, tp_group=group)
     return {"compare": str(report), "ok": report.ok,
             "train": train_beside_one_device(config, group, overlap),

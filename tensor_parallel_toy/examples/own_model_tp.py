@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from tensor_parallel_toy.apply.classic_tp import (apply_tensor_parallel, classic_plan,
                                                   sync_replicated_gradients)
-from tensor_parallel_toy import launch
+from tensor_parallel_toy import current_device, launch
 from tensor_parallel_toy.support.sharding import named_layouts, tensor_parallel_dim
 
 TOL = 1e-5  # fp32: TP only changes the order of additions
@@ -52,9 +52,10 @@ def run_rank():
     """Returns the largest output and gradient differences from the one-device model
     ({"output", "gradients"}); raises if some parameter's gradient was not compared."""
     group = dist.group.WORLD
+    device = current_device()  # this rank's GPU under NCCL, else the CPU
     torch.manual_seed(0)  # the same weights and batch on every rank
-    baseline = MyModel()
-    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    baseline = MyModel().to(device)
+    x, y = torch.randn(8, 16).to(device), torch.randint(0, 5, (8,)).to(device)
     # Each rank keeps its slices; after the first backward the ranks compare their gradients
     # of every weight left whole (norms, biases, the head), which must be equal.
     model = apply_tensor_parallel(copy.deepcopy(baseline), group)

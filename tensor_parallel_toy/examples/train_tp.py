@@ -12,7 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy import ModelConfig, Transformer, guard, launch, load_full_state_dict
+from tensor_parallel_toy import (ModelConfig, Transformer, current_device, guard, launch,
+                                 load_full_state_dict)
 from tensor_parallel_toy.profiling.run.data import CORPUS_VOCAB, batch, make_corpus
 
 CONFIG = ModelConfig(vocab_size=CORPUS_VOCAB, hidden_size=32, num_layers=2, num_heads=4,
@@ -25,7 +26,7 @@ def train(model, corpus):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        ids, labels = batch(corpus, step, BATCH, SEQ)  # [b, s], the same on every rank
+        ids, labels = batch(corpus, step, BATCH, SEQ, device=current_device())  # every rank alike
         loss = model(ids, labels)
         loss.backward()
         optimizer.step()
@@ -36,10 +37,10 @@ def train(model, corpus):
 
 def run_rank():
     """TP over every rank, then the one-device baseline on each rank; returns both loss lists."""
-    corpus = make_corpus()
-    baseline = Transformer(CONFIG, seed=0)
+    corpus, device = make_corpus(), current_device()
+    baseline = Transformer(CONFIG, seed=0).to(device)
     # guard: the ranks agree on the model and each batch; replicated grads equal at backward 1
-    tp = guard(Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0))
+    tp = guard(Transformer(CONFIG, tp_group=dist.group.WORLD, overlap=True, seed=0).to(device))
     load_full_state_dict(tp, baseline.state_dict())  # the very same starting weights
     return {"tp": train(tp, corpus), "one_device": train(baseline, corpus)}
 

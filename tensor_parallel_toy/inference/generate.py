@@ -180,7 +180,8 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens=16, do_sam
     The seed is not compared (a rank may draw its own way on purpose): each step's tokens are,
     when `check_tokens`."""
     ids = input_ids
-    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(ids.dtype)
+    mask = torch.ones_like(ids) if attention_mask is None else \
+        attention_mask.to(ids.device, ids.dtype)  # beside the ids (a GPU's, under NCCL)
     group = model.tp_group
     options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                    top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,

@@ -68,3 +68,45 @@ def test_generate_tp_generates_the_same_tokens_under_tp_as_on_one_device(pools):
             assert torch.equal(tp_tokens[:, :ids.shape[1]], ids), (r, name)
             assert torch.equal(tp_tokens, one_tokens), (r, name, tp_tokens, one_tokens)
         assert not torch.equal(out["greedy"][0], out["sampled"][0]), "nothing was sampled"
+
+
+def _device_problems(folder):
+    """One line per example that starts ranks (`launch`) but never asks where its rank computes
+    (`current_device()`), or talks to torch.distributed itself: on a box with a GPU per rank
+    `launch` picks NCCL, and a CPU model or batch fails at the first collective ("No backend
+    type associated with device type cpu"). On the CPU the two are the same device, so this is
+    read from the source (gpu-check runs the examples under NCCL)."""
+    import ast
+
+    problems = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name == "__init__.py":
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        called = {node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and isinstance(node.func, (ast.Name, ast.Attribute))}
+        direct = sorted(f"dist.{node.func.attr}" for node in ast.walk(tree)
+                        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+                        and node.func.attr in ("all_reduce", "broadcast", "all_gather",
+                                               "reduce_scatter", "send", "recv"))
+        if "launch" in called and "current_device" not in called:
+            problems.append(f"{name}: starts ranks but never calls current_device()")
+        problems += [f"{name}: calls {d} itself" for d in direct]
+    return problems
+
+
+def test_every_example_computes_on_its_ranks_device():
+    problems = _device_problems(os.path.join(ROOT, "tensor_parallel_toy", "examples"))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_device_rule_catches_an_example_built_on_the_cpu(tmp_path):
+    source = os.path.join(ROOT, "tensor_parallel_toy", "examples", "train_tp.py")
+    with open(source, encoding="utf-8") as f:
+        text = f.read()
+    (tmp_path / "train_tp.py").write_text(text.replace("current_device()", "torch.device('cpu')"))
+    assert _device_problems(str(tmp_path)) == [
+        "train_tp.py: starts ranks but never calls current_device()"]

@@ -38,13 +38,15 @@ def make_corpus(num_sentences=4000, seed=0):
     return torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8)
 
 
-def batch(corpus, step, batch_size, seq_len, seed=0):
+def batch(corpus, step, batch_size, seq_len, seed=0, device=None):
     """The global batch of `step`: input ids and next-token labels, both `[batch_size, seq_len]`
-    int64, cut from random windows of the corpus with a generator seeded by (seed, step)."""
+    int64, cut from random windows of the corpus with a generator seeded by (seed, step), on
+    `device` (None: the CPU; a rank passes `current_device()`, its GPU under NCCL)."""
     if seq_len + 1 > corpus.numel():
         raise ValueError(f"sequence length {seq_len} is longer than the corpus "
                          f"({corpus.numel()} tokens)")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch_size,), generator=gen)
     windows = torch.stack([corpus[s:s + seq_len + 1] for s in starts.tolist()]).long()
+    windows = windows.to(device)
     return windows[:, :-1], windows[:, 1:]  # [b, s] inputs, [b, s] labels shifted by one

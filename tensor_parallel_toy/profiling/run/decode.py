@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ...config import ModelConfig
-from ...guards.collectives import barrier, reduce_numbers
+from ...guards.collectives import barrier, broadcast_, reduce_numbers
 from ...inference.generate import KVCache, generate
-from ...launcher.initialize import init_from_env, shutdown
+from ...launcher.initialize import current_device, init_from_env, shutdown
 from ...launcher.pool import WorkerPool
 from ..measure.metrics import summarize
 from ..measure.transfers import recording
@@ -95,13 +95,14 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed, hf_folder=No
     from ...support.sharding import full_state_dict
 
     group, rank = dist.group.WORLD, dist.get_rank()
+    device = current_device()  # this rank's GPU under NCCL, else the CPU
     config = ModelConfig(**config_fields)
     torch.manual_seed(seed)
-    tp = Transformer(config, tp_group=group, seed=seed).eval()
+    tp = Transformer(config, tp_group=group, seed=seed).to(device).eval()
     full = full_state_dict(tp)
     one = None
     if rank == 0:
-        one = Transformer(config, seed=seed).eval()
+        one = Transformer(config, seed=seed).to(device).eval()
         one.load_state_dict(full)
     runs = {"tp1": _ours(one) if one else None, "tp": _ours(tp)}
     if hf_folder:
@@ -116,8 +117,8 @@ def _on_rank(config_fields, batches, prompt, tokens, repeats, seed, hf_folder=No
     rows = []
     for repeat in range(repeats + 1):  # the first round warms up and is dropped
         for b in batches:
-            ids = torch.randint(0, config.vocab_size, (b, prompt), generator=gen)
-            dist.broadcast(ids, 0, group=group)  # the same prompts on every rank
+            ids = torch.randint(0, config.vocab_size, (b, prompt), generator=gen).to(device)
+            broadcast_(ids, 0, group)  # the same prompts on every rank
             for mode, run in runs.items():
                 for n in (1, tokens):
                     barrier(group)  # every rank starts together
