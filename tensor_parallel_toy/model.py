@@ -302,8 +302,8 @@ class Transformer(nn.Module):
                         ring_pieces=ring_pieces)
         # Under SP, equal sequence chunks, one per rank (with overlap, ring_pieces equal pieces
         # each): shorter sequences are padded to a multiple of this.
-        self.seq_multiple = self.tp_size * (ring_pieces if overlap else 1) if sequence_parallel \
-            else 1
+        pieces = ring_pieces if overlap else 1
+        self.seq_multiple = self.tp_size * pieces if sequence_parallel else 1
         self.config, self.tp_group, self.seed = config, tp_group, seed
         self.sequence_parallel, self.overlap = sequence_parallel, overlap
         if tp_group is None:
