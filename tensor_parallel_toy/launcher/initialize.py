@@ -40,14 +40,15 @@ def share_gpu_requested(env=os.environ):
 
 def nccl_rank_capacity(env=os.environ, version=None):
     """How many NCCL ranks this machine can run: one per GPU; with SHARE_GPU_ENV=1 (a
-    correctness run; see `share_gpu_env`) two on one GPU through NCCL's own switch (NCCL
-    `version` >= 2.30, default torch's: MULTI_RANK_GPU_MAX), any number through per-rank
-    host ids."""
+    correctness run; see `share_gpu_env`) MULTI_RANK_GPU_MAX on one GPU, on either route (NCCL's
+    own switch, `version` >= 2.30, default torch's; per-rank host ids before): the most NCCL
+    documents for its switch, and more ranks on one GPU were never run here on either route
+    (with the suite's pools of 2, 3 and 4 alive together that would be 9 CUDA contexts). The
+    tests that need more skip, saying so."""
     gpus = gpu_count()
     if not (gpus and share_gpu_requested(env)):
         return gpus
-    version = nccl_version() if version is None else version
-    return MULTI_RANK_GPU_MAX if _multi_rank_switch(version) else 1 << 10
+    return MULTI_RANK_GPU_MAX
 
 
 def choose_backend(world_size, device="auto"):
@@ -126,7 +127,8 @@ def share_gpu_route(version=None):
         return (f"through {MULTI_RANK_GPU_ENV}=1, NCCL's own switch ({name} >= {since}; at "
                 f"most {MULTI_RANK_GPU_MAX} ranks per GPU)")
     return (f"through a per-rank NCCL_HOSTID over loopback sockets ({name} < {since} has no "
-            f"{MULTI_RANK_GPU_ENV}; a route NCCL's maintainers do not support)")
+            f"{MULTI_RANK_GPU_ENV}; a route NCCL's maintainers do not support; at most "
+            f"{MULTI_RANK_GPU_MAX} ranks per GPU)")
 
 
 def nccl_options(high_priority_streams=False):

@@ -28,8 +28,11 @@ class Pools:
         if key in self.live and self.live[key].alive:
             return self.live[key]
         if backend == "nccl" and nccl_rank_capacity() < world_size:
-            pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs (or {SHARE_GPU_ENV}=1 "
-                        f"and a route that takes them), found {gpu_count()}")
+            pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, found {gpu_count()}"
+                        f" (with {SHARE_GPU_ENV}=1, at most {nccl_rank_capacity()} ranks share "
+                        f"one: more were never run)" if nccl_rank_capacity() > gpu_count()
+                        else f"{world_size} NCCL ranks need {world_size} GPUs (or "
+                             f"{SHARE_GPU_ENV}=1 for 2 on one), found {gpu_count()}")
         first = min((n for b, n in self.failed if b == backend and n <= world_size),
                     default=None)
         if first is not None:
