@@ -371,10 +371,16 @@ def _problem(args, share, gpus):
         return None
     if gpus == 0:
         return machine.cuda_problem()
-    single = machine.single_process_gpus() if share and gpus == 1 else {}
-    if 0 in single:
-        return (f"GPU 0's compute mode is {single[0]}: it admits at most one process, so two "
-                f"ranks cannot share it; `nvidia-smi -i 0 -c DEFAULT` (as root) allows several")
+    # Every GPU the run uses, not only a shared one: the suite's pools of 2, 3 and 4 ranks run
+    # side by side, each with its rank 0 on GPU 0, its rank 1 on GPU 1, ...
+    single = {i: mode for i, mode in machine.single_process_gpus().items() if i < gpus}
+    if single:
+        first = min(single)
+        why = ("two ranks cannot share it" if share and gpus == 1 else
+               "the suite's pools, which run side by side, cannot all use it")
+        return (f"GPU {first}'s compute mode is {single[first]}: it admits at most one "
+                f"process, so {why}; `nvidia-smi -i {first} -c DEFAULT` (as root) allows "
+                f"several")
     return None
 
 

@@ -359,6 +359,12 @@ def test_plain_gpu_check_here_refuses_in_one_line_and_a_single_process_gpu_is_re
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "compute mode is Exclusive_Process" in err, err
     assert "nvidia-smi -i 0 -c DEFAULT" in err, err
+    # Not only a shared GPU: any GPU the run uses (the suite's pools share every GPU).
+    monkeypatch.setattr(machine, "single_process_gpus", lambda: {3: "Prohibited"})
+    assert gpu_check.main([], gpus=8) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GPU 3's compute mode is Prohibited" in err, err
+    assert "nvidia-smi -i 3 -c DEFAULT" in err, err
 
 
 def test_steps_names_the_steps_to_run_and_an_unknown_one_is_refused(tmp_path, capsys):
