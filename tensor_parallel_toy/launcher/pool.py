@@ -4,6 +4,10 @@ often as asked (the tests reuse one pool per world size). It watches its workers
 or dies, it stops the others and raises `WorkerError`, whose first line names the rank and the
 cause, instead of waiting forever in a collective. `launch` runs a function either on such a
 pool or, under torchrun, on this rank.
+
+Left by an exception, a pool kills its workers: how a program turns SIGTERM and SIGINT into one
+is signals.py. A launcher killed outright takes its workers with it all the same: they watch
+it.
 """
 import os
 import queue
@@ -12,12 +16,14 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import parent_process
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .initialize import (DEFAULT_TIMEOUT_S, bind_gpu, choose_backend, gpu_count, init_from_env,
                          nccl_options, set_threads, share_gpu_env, shutdown)
+from .signals import signals_held
 
 
 class WorkerError(RuntimeError):
@@ -55,24 +61,13 @@ def exit_meaning(code):
     return f"exit code {code}, {name}" + (f": {meaning}" if meaning else "")
 
 
-def _exit_with_launcher(launcher_pid):
-    """If the launcher dies (even by SIGKILL), its workers must not linger waiting for tasks. A
-    worker's parent is the launcher (spawn) or the fork server, which exits with the launcher:
-    either way, once the parent changes, or the launcher is gone, the worker exits."""
-    parent = os.getppid()
-
-    def launcher_alive():
-        try:
-            os.kill(launcher_pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
+def _exit_with_launcher():
+    """If the launcher exits (even by SIGKILL, and before whoever started it has reaped it), its
+    workers must not linger waiting for tasks; nor may a worker whose start the launcher gave
+    up. multiprocessing hands each worker the read end of a pipe that only the launcher holds
+    open, for this very use: the watch wakes when it closes, at no cost before."""
     def watch():
-        while os.getppid() == parent and launcher_alive():
-            time.sleep(1.0)
+        parent_process().join()
         os._exit(1)
     threading.Thread(target=watch, daemon=True, name="launcher-watch").start()
 
@@ -89,6 +84,17 @@ def _start_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["__main__", "tensor_parallel_toy"])  # read once it starts
     return ctx
+
+
+def _start_fork_server(ctx):
+    """Have the fork server ready before any worker starts: the first time, it imports torch
+    (seconds), and a signal meanwhile must stop the launcher at once, which a held start
+    (`signals.signals_held`) would not. This start carries nothing (no queue, no store), so
+    cutting it short is harmless."""
+    if ctx.get_start_method() == "forkserver":
+        proc = ctx.Process(target=os.getpid, daemon=True)
+        proc.start()
+        proc.join()
 
 
 # Set to one of INJECTABLE, a worker fails on purpose, so that a run on CPU shows what a
@@ -113,13 +119,16 @@ def _injected(stage, rank, world_size):
         os.abort()
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, launcher_pid,
-                 environ, high_priority_streams=False):
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, environ,
+                 high_priority_streams=False):
+    # Ctrl-C in a terminal signals every process of the job: the launcher decides what a stop
+    # means, and stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the fork server's environment, from when it started: take the
     # launcher's as it is now, as a spawned worker would.
     os.environ.clear()
     os.environ.update(environ)
-    _exit_with_launcher(launcher_pid)
+    _exit_with_launcher()
     try:
         _injected("start", rank, world_size)
         nccl = {}
@@ -176,14 +185,20 @@ class WorkerPool:
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
                         args=(rank, world_size, self._store.port, self.backend, timeout_s,
-                              self._tasks[rank], self._results, os.getpid(),
-                              dict(os.environ), high_priority_streams))
+                              self._tasks[rank], self._results, dict(os.environ),
+                              high_priority_streams))
             for rank in range(world_size)]
-        for proc in self._procs:
-            proc.start()
-        # The first pool of a process starts the fork server, which imports torch: by default
-        # allow for a slow start.
-        self._collect("ready", start_timeout_s or timeout_s + 60)
+        try:
+            _start_fork_server(ctx)
+            # Each start is held whole: cut in half by a signal, it would leave a worker forked
+            # whose pid the launcher never learned, and so could not stop.
+            with signals_held(signal.SIGTERM, signal.SIGINT):
+                for proc in self._procs:
+                    proc.start()
+            self._collect("ready", start_timeout_s or timeout_s + 60)
+        except BaseException:  # a stop (a signal) while the pool starts
+            self.close(graceful=False)
+            raise
 
     @property
     def alive(self):
@@ -250,28 +265,39 @@ class WorkerPool:
 
     def close(self, graceful=True):
         """Ask the workers to leave cleanly; whoever does not within 10 s is killed.
-        `graceful=False` kills at once (after an error the others may be stuck)."""
+        `graceful=False` kills at once (after an error the others may be stuck, after a signal
+        nobody waits). Then the queues go, and with them their semaphores."""
         if self._procs is None:
             return
-        for q in self._tasks if graceful else ():
-            try:
-                q.put(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + (10 if graceful else 0)
-        for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
+        started = [p for p in self._procs if p.pid is not None]  # a stop can come before some
+        try:
+            for q in self._tasks if graceful else ():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + (10 if graceful else 0)
+            for proc in started:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # also when a signal cuts the wait short
+            # Kill them all, then wait: waiting for each before killing the next would leave the
+            # rest a moment to notice a dead peer and say so on stderr.
+            alive = [p for p in started if p.is_alive()]
+            for proc in alive:
                 proc.kill()
+            for proc in alive:
                 proc.join(timeout=5)
-        self._procs = None
+            for q in [self._results, *self._tasks]:
+                q.cancel_join_thread()  # no worker is left to read what it still holds
+                q.close()
+            self._procs = self._results = self._tasks = None
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # Left by an exception, the workers may be in the middle of a task nobody will collect.
+        self.close(graceful=exc_type is None)
 
 
 def launch(main, world_size=2, *args):

@@ -2,9 +2,10 @@
 side, benchmark the overlap op by op, record a timeline, and write it all to a results folder.
 
 Every flag is checked before any process starts: a bad value is one line on stderr and exit
-status 2. Locally the ranks are a `WorkerPool` spawned once for every phase; under `torchrun`
-each rank runs the same phases (run/phases.py) and rank 0 gathers the numbers and writes the
-files. With
+status 2. Locally the ranks are a `WorkerPool` spawned once for every phase, and SIGTERM or
+SIGINT stops them with the run at any moment (exit status 128 + the signal, the results folder
+as it was: launcher/signals.py); under `torchrun` each rank runs the same phases
+(run/phases.py) and rank 0 gathers the numbers and writes the files. With
 `--link RATE` (Linux, root) each rank runs that torchrun path in its own network namespace
 behind a shaped link (wires/link.py); several rates make a sweep over them
 (wires/link_sweep.py).
@@ -19,6 +20,7 @@ import difflib
 import importlib.util
 import math
 import os
+import signal
 import sys
 import time
 import types
@@ -29,6 +31,7 @@ from ..interop import dtensor_tp
 from ..config import ModelConfig
 from ..launcher.initialize import LaunchError, choose_backend, init_from_env, shutdown
 from ..launcher.pool import WorkerPool
+from ..launcher.signals import Stopped, stop_on_signals
 from .report import report
 from .run.data import CORPUS_VOCAB
 from .run.phases import (PHASE_TIMEOUT_S, PoolRunner, TorchrunRunner, run_phases,
@@ -396,37 +399,53 @@ def main(argv=None):
     args.argv = argv
     if args.link is not None:
         return _run_on_link(args, argv)
-    if args.wire_rates and len(args.wire_rates) > 1:  # several modeled rates: the op sweep
-        return wire_sweep.run(args)
+    sweep = args.wire_rates and len(args.wire_rates) > 1  # several modeled rates: the op sweep
+    if under_torchrun(os.environ) and not sweep:
+        return _run_under_torchrun(args)
+    # This process owns the ranks: a signal must stop them with it, not leave them running.
+    try:
+        with stop_on_signals(signal.SIGTERM, signal.SIGINT):
+            return wire_sweep.run(args) if sweep else _run_on_a_pool(args)
+    except Stopped as e:
+        print(f"{PROG}: {e}; its ranks are stopped", file=sys.stderr)
+        return e.code
+
+
+def _run_on_a_pool(args):
     start = time.perf_counter()
-    if under_torchrun(os.environ):
-        try:  # the first collective: where a wrong address or network interface shows
-            init_from_env(args.backend, timeout_s=args.timeout,
-                          high_priority_streams=args.nccl_high_priority)
-        except LaunchError as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 2
-        try:
-            runner = TorchrunRunner()
-            results = run_phases(runner, args)
-        finally:
-            shutdown()
-        if runner.rank != 0:
-            _leave_torchrun_rank(0)
-    else:
-        ranks = args.tp * args.dp
-        print(f"spawning {ranks} ranks ({args.backend})...", flush=True)
-        with WorkerPool(ranks, backend=args.backend,
-                        high_priority_streams=args.nccl_high_priority) as pool:
-            results = run_phases(PoolRunner(pool, args.timeout), args)
-    results["meta"]["runtime_s"] = time.perf_counter() - start
-    summary = write_outputs(results, args.out)
-    print("\n" + summary, end="")
-    print(f"wrote {', '.join(results['files'])} to {args.out}/ "
-          f"in {results['meta']['runtime_s']:.0f} s")
-    if under_torchrun(os.environ):
-        _leave_torchrun_rank(0)
+    ranks = args.tp * args.dp
+    print(f"spawning {ranks} ranks ({args.backend})...", flush=True)
+    with WorkerPool(ranks, backend=args.backend,
+                    high_priority_streams=args.nccl_high_priority) as pool:
+        results = run_phases(PoolRunner(pool, args.timeout), args)
+    _write_and_print(results, args.out, start)
     return 0
+
+
+def _run_under_torchrun(args):
+    start = time.perf_counter()
+    try:  # the first collective: where a wrong address or network interface shows
+        init_from_env(args.backend, timeout_s=args.timeout,
+                      high_priority_streams=args.nccl_high_priority)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        runner = TorchrunRunner()
+        results = run_phases(runner, args)
+    finally:
+        shutdown()
+    if runner.rank == 0:
+        _write_and_print(results, args.out, start)
+    _leave_torchrun_rank(0)
+
+
+def _write_and_print(results, out, start):
+    results["meta"]["runtime_s"] = time.perf_counter() - start
+    summary = write_outputs(results, out)
+    print("\n" + summary, end="")
+    print(f"wrote {', '.join(results['files'])} to {out}/ "
+          f"in {results['meta']['runtime_s']:.0f} s")
 
 
 def _leave_torchrun_rank(code):
