@@ -18,6 +18,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing import parent_process
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -82,19 +83,42 @@ def _start_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "tensor_parallel_toy"])  # read once it starts
+    # Not "__main__": where honoured it would run a user script's top level in the server.
+    ctx.set_forkserver_preload(["tensor_parallel_toy"])  # read once it starts
     return ctx
+
+
+# torch's import turns its CUDA sanitizer on where this is set (gpu-check's sanitizer step).
+SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
 
 
 def _start_fork_server(ctx):
     """Have the fork server ready before any worker starts: the first time, it imports torch
     (seconds), and a signal meanwhile must stop the launcher at once, which a held start
     (`signals.signals_held`) would not. This start carries nothing (no queue, no store), so
-    cutting it short is harmless."""
+    cutting it short is harmless.
+
+    The server imports torch without SANITIZER_ENV: with the sanitizer on, every tensor op
+    touches CUDA, and a server that initialised CUDA leaves every worker forked from it unable
+    to ("Cannot re-initialize CUDA in forked subprocess"). Each worker turns the sanitizer on
+    itself (`_worker_main`)."""
     if ctx.get_start_method() == "forkserver":
-        proc = ctx.Process(target=os.getpid, daemon=True)
-        proc.start()
-        proc.join()
+        sanitizer = os.environ.pop(SANITIZER_ENV, None)
+        try:
+            proc = ctx.Process(target=os.getpid, daemon=True)
+            proc.start()
+            proc.join()
+        finally:
+            if sanitizer is not None:
+                os.environ[SANITIZER_ENV] = sanitizer
+
+
+def _turn_on_cuda_sanitizer():
+    """PyTorch's documented switch (torch.cuda._sanitizer), once per process."""
+    import torch.cuda._sanitizer as csan
+
+    if not csan.cuda_sanitizer.enabled:
+        csan.enable_cuda_sanitizer()
 
 
 # Set to one of INJECTABLE, a worker fails on purpose, so that a run on CPU shows what a
@@ -128,6 +152,8 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, env
     # launcher's as it is now, as a spawned worker would.
     os.environ.clear()
     os.environ.update(environ)
+    if os.environ.get(SANITIZER_ENV) and torch.cuda.is_available():
+        _turn_on_cuda_sanitizer()  # as torch's import would have, in this process
     _exit_with_launcher()
     try:
         _injected("start", rank, world_size)

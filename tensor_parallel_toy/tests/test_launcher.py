@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tensor_parallel_toy.launcher import initialize
 from tensor_parallel_toy.launcher.initialize import choose_backend
-from tensor_parallel_toy.launcher.pool import WorkerError, WorkerPool
+from tensor_parallel_toy.launcher.pool import SANITIZER_ENV, WorkerError, WorkerPool
 from tensor_parallel_toy.tests.processes import installed_env, process_gone
 
 STOP_WITHIN_S = 30
@@ -315,3 +315,49 @@ def test_a_killed_launchers_workers_exit_within_seconds(background):
     alive = [p for p in workers if not process_gone(p)]
     assert not alive, f"workers {alive} outlived their killed launcher"
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The fork server starts clean
+# ----------------------------------------------------------------------------------------------
+def _on_rank_sanitizer_state():
+    """What this worker inherited from the fork server, after a tensor op of its own."""
+    import torch.cuda._sanitizer as csan
+
+    total = float(torch.ones(3).sum())  # the sanitizer, if on, touches CUDA at every op
+    return {"sanitizer on": bool(csan.cuda_sanitizer.enabled),
+            "cuda initialised": torch.cuda.is_initialized(), "sum": total}
+
+
+_POOL_WITH_SANITIZER = (
+    "import json\n"
+    "from tensor_parallel_toy.launcher.pool import WorkerPool\n"
+    "from tensor_parallel_toy.tests.test_launcher import _on_rank_sanitizer_state\n"
+    "if __name__ == '__main__':\n"
+    "    with WorkerPool(2) as pool:\n"
+    "        print(json.dumps(pool.run(_on_rank_sanitizer_state)), flush=True)\n")
+
+
+def _sanitizer_script(folder):
+    script = os.path.join(folder, "sanitized_launcher.py")
+    with open(script, "w") as f:
+        f.write(_POOL_WITH_SANITIZER)
+    return dict(argv=[sys.executable, script],
+                env={**installed_env(), SANITIZER_ENV: "1"})
+
+
+BACKGROUND["sanitizer in the environment"] = _sanitizer_script
+
+
+@pytest.mark.background("sanitizer in the environment")
+def test_the_fork_server_imports_torch_without_the_cuda_sanitizer(background):
+    """TORCH_CUDA_SANITIZER in the launcher's environment (gpu-check's sanitizer step sets it)
+    must not reach the fork server: there the sanitizer would touch CUDA at its first tensor
+    op, and every worker forked from it would fail ("Cannot re-initialize CUDA in forked
+    subprocess" on a GPU; on this CPU build, "Torch not compiled with CUDA enabled"). A worker
+    turns it on itself, where CUDA is (not here)."""
+    code, out, err = background.result("sanitizer in the environment", timeout=120)
+    assert code == 0, out + err[-3000:]
+    import json
+    states = json.loads(out.strip().splitlines()[-1])
+    assert states == [{"sanitizer on": False, "cuda initialised": False, "sum": 3.0}] * 2, states
