@@ -20,10 +20,11 @@ import pytest
 from tensor_parallel_toy.tests.processes import ROOT, installed_env
 
 STOP_WITHIN_S = 5
-# Tiny, and long enough in training (6 steps of every mode) for a signal to land inside it.
+# Tiny (one mode beside the baseline), and long enough in training (6 steps) for a signal to
+# land inside it.
 FLAGS = ["--steps", "6", "--warmup", "1", "--batch", "2", "--seq", "16", "--hidden", "32",
          "--heads", "4", "--ffn", "64", "--layers", "1", "--bench-iters", "0",
-         "--timeline-iters", "0"]
+         "--timeline-iters", "0", "--modes", "baseline,tp"]
 PREVIOUS = {"results.json": '{"from": "the previous run"}\n', "summary.txt": "previous\n"}
 
 
