@@ -410,3 +410,38 @@ def test_the_one_forward_rule_catches_a_private_attention_and_a_private_row_laye
     assert any("scaled_dot_product_attention called at" in p for p in problems), problems
     assert sum("inference/generate.py" in p and "a layer of its own" in p
                for p in problems) == 2, problems
+
+
+def kernel_import_circles(package_dir):
+    """The circles among the kernel's files' imports (at any depth: a function-level import
+    counts), each as a list of files, e.g. ["parallel_linear.py", "ring.py"]."""
+    modules = _modules(package_dir)
+    packages = {m for m, p in modules.items() if p.endswith("__init__.py")}
+    kernel = {f"{PACKAGE}.{name[:-3]}": name for name in reading_path(package_dir)}
+    edges = {}
+    for module, name in kernel.items():
+        with open(modules[module], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        edges[name] = {kernel[t] for t in (_resolve(module, node, packages)
+                                           for node in ast.walk(tree)
+                                           if isinstance(node, ast.ImportFrom)) if t in kernel}
+    circles = []
+
+    def visit(name, path):
+        for target in sorted(edges[name]):
+            if target in path:
+                circle = path[path.index(target):]
+                if min(circle) == circle[0] and circle not in circles:  # each once
+                    circles.append(circle)
+            else:
+                visit(target, path + [target])
+    for name in sorted(edges):
+        visit(name, [name])
+    return circles
+
+
+def test_the_kernels_files_import_one_another_without_a_circle():
+    """Read in order, each file needs only the ones before it or beside it: ring.py, the
+    overlap read last, imports comm.py alone, and the layers import the ring."""
+    circles = kernel_import_circles(PACKAGE_DIR)
+    assert not circles, circles
