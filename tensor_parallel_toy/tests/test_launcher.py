@@ -289,14 +289,18 @@ _POOL_THEN_WAIT = ("import os, sys, time\n"
                    "    time.sleep(600)\n")
 
 
-def _launcher_script(folder):
-    script = os.path.join(folder, "launcher.py")
-    with open(script, "w") as f:
-        f.write(_POOL_THEN_WAIT)
-    return dict(argv=[sys.executable, script], env=installed_env())
+def _script_command(name, text, **env):
+    """A background command (conftest.py) running `text` as the script `name` in its folder,
+    the package installed, `env` added to the environment."""
+    def start(folder):
+        script = os.path.join(folder, name)
+        with open(script, "w") as f:
+            f.write(text)
+        return dict(argv=[sys.executable, script], env={**installed_env(), **env})
+    return start
 
 
-BACKGROUND["killed launcher"] = _launcher_script
+BACKGROUND["killed launcher"] = _script_command("launcher.py", _POOL_THEN_WAIT)
 
 
 @pytest.mark.background("killed launcher")
@@ -314,7 +318,6 @@ def test_a_killed_launchers_workers_exit_within_seconds(background):
         time.sleep(0.2)
     alive = [p for p in workers if not process_gone(p)]
     assert not alive, f"workers {alive} outlived their killed launcher"
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,15 +341,8 @@ _POOL_WITH_SANITIZER = (
     "        print(json.dumps(pool.run(_on_rank_sanitizer_state)), flush=True)\n")
 
 
-def _sanitizer_script(folder):
-    script = os.path.join(folder, "sanitized_launcher.py")
-    with open(script, "w") as f:
-        f.write(_POOL_WITH_SANITIZER)
-    return dict(argv=[sys.executable, script],
-                env={**installed_env(), SANITIZER_ENV: "1"})
-
-
-BACKGROUND["sanitizer in the environment"] = _sanitizer_script
+BACKGROUND["sanitizer in the environment"] = _script_command(
+    "sanitized_launcher.py", _POOL_WITH_SANITIZER, **{SANITIZER_ENV: "1"})
 
 
 @pytest.mark.background("sanitizer in the environment")
