@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import all_reduce_, group_size
-from ..support.sharding import named_layouts, tensor_parallel_dim
+from ..support.sharding import named_layouts
 from .plan import parallelize_module
 from .styles import ColwiseParallel, NoParallel, RowwiseParallel
 
@@ -220,7 +220,7 @@ def sync_replicated_gradients(model, tp_group):
     """
     grads = {}
     for _, param, layout in named_layouts(model):
-        if param.grad is not None and tensor_parallel_dim(layout) is None:
+        if param.grad is not None and layout.dim is None:
             grads.setdefault(param.grad.dtype, []).append(param.grad)
     for same_dtype in grads.values():
         average_over_group_(same_dtype, tp_group)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from tensor_parallel_toy.apply.classic_tp import (apply_tensor_parallel, classic_plan,
                                                   sync_replicated_gradients)
 from tensor_parallel_toy import current_device, launch
-from tensor_parallel_toy.support.sharding import named_layouts, tensor_parallel_dim
+from tensor_parallel_toy.support.sharding import named_layouts
 
 TOL = 1e-5  # fp32: TP only changes the order of additions
 
@@ -66,7 +66,7 @@ def run_rank():
     full = dict(baseline.named_parameters())
     rank, p, grad_diff, checked = dist.get_rank(), dist.get_world_size(), 0.0, 0
     for name, param, layout in named_layouts(model):
-        dim = tensor_parallel_dim(layout)
+        dim = layout.dim
         want_grad = full[name].grad if dim is None else full[name].grad.chunk(p, dim)[rank]
         grad_diff = max(grad_diff, (param.grad - want_grad).abs().max().item())
         checked += 1

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from .agreement import RanksDisagreeError, by_value, digest
 from .collectives import group_device
 from ..comm import all_gather_dim, group_size
-from ..support.sharding import named_layouts, tensor_parallel_dim
+from ..support.sharding import named_layouts
 
 TOLERANCE = 2.0 ** -4  # relative to the gradient's norm: see the module docstring
 _PHASE = (math.sqrt(5) - 1) / 2  # radians per position of the cos/sin weights
@@ -96,7 +96,7 @@ def replicated_gradients(model, tp_group):
     on the TP dimension (summed by DTensor when read)."""
     out = []
     for name, param, layout in named_layouts(model):
-        if tensor_parallel_dim(layout) is not None:
+        if layout.dim is not None:
             continue
         grad = param.grad
         if isinstance(param, DTensor):

@@ -40,17 +40,6 @@ def counted_rows(split, rank):
     return first_holder(split)[split.rows[rank]] == rank
 
 
-def tensor_parallel_dim(layout):
-    """The dim a parameter with this `Layout` is split along, or None when every rank holds all
-    of it."""
-    return layout.dim
-
-
-def tensor_parallel_rows(layout):
-    """The `RowSplit` of a parameter with this `Layout`, or None: a plain split."""
-    return layout.rows
-
-
 def named_layouts(model):
     """(name, parameter, Layout) for every parameter of `model`, each once, in the order of
     `named_parameters`: the layout its module records (`layout_of`). Works on a bare model and
@@ -194,5 +183,4 @@ def grad_norm(model, tp_group=None):
 
 __all__ = ["Layout", "counted_rows", "first_holder", "full_grads", "full_state_dict",
            "gather_data_parallel", "grad_norm", "layout_of", "layouts", "load_full_state_dict",
-           "named_layouts", "scatter_data_parallel", "tensor_parallel_dim",
-           "tensor_parallel_rows", "unshard", "unwrapped"]
+           "named_layouts", "scatter_data_parallel", "unshard", "unwrapped"]
