@@ -1,6 +1,7 @@
 """The measuring harness behind `python -m tensor_parallel_toy profile`, one room per job.
 
-    cli.py, spec.py   the command: its flags, checked, and the typed run every phase receives
+    cli.py            the command: how its ranks run (a local pool, torchrun, the link)
+    flags.py, spec.py its flags, checked, and the typed run every phase receives
     run/              running the modes: the phases on the ranks, the interleaved training,
                       its data, the Hugging Face mode, classic TP without SP for its memory,
                       and generation's cost per token (decode.py, a command of its own)
@@ -12,6 +13,6 @@
     report/           reporting: results.json's sections, the summary, the targets
                       (targets.json, data), the pictures, atomic files
 
-Every room may read spec.py; between the rooms imports run one way, cli -> run -> wires ->
+Every room may read spec.py; between the rooms imports run one way, cli -> flags -> run -> wires ->
 report -> measure (a room may skip those between), never back (tests/test_layout.py).
 """

@@ -10,8 +10,8 @@
   of that very module (`tests/test_X.py` of module `X`) aside. A module that needs another's
   private name is a sign the boundary between them is in the wrong place.
 - No test file imports from another test file: what tests share lives in `tests/helpers.py`.
-- Inside the harness, imports run one way: cli -> run/ -> wires/ -> report/ -> measure/ (any
-  of them may read spec.py), never back up.
+- Inside the harness, imports run one way: cli -> flags -> run/ -> wires/ -> report/ ->
+  measure/ (any of them may read spec.py), never back up.
 """
 import ast
 import io
@@ -27,7 +27,7 @@ READING_PATH_MAX_CODE_LINES = 745  # 650 before classic TP, the KV-cache seam an
 # The harness's rooms, one job each: running the modes, measuring, the wires, reporting.
 HARNESS_ROOMS = ("run", "measure", "wires", "report")
 # Between the harness's parts imports run down this list, never up it; spec.py is for all.
-HARNESS_ORDER = ("cli", "run", "wires", "report", "measure")
+HARNESS_ORDER = ("cli", "flags", "run", "wires", "report", "measure")
 
 
 def _modules(package_dir):

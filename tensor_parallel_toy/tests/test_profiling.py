@@ -354,7 +354,7 @@ def test_profile_llama_runs_pytorchs_plan_on_the_hugging_face_model_from_the_sam
     assert results["config"]["model"]["mlp"] == "swiglu", results["config"]["model"]
     assert results["config"]["run"]["model"] == "llama", results["config"]["run"]
     assert "memory_tp_no_sp" not in results, list(results)  # SwiGLU: not two nn.Linear
-    # tp_halves: 1-D only, left out of the default modes with --dp 2 (cli._check_halves).
+    # tp_halves: 1-D only, left out of the default modes with --dp 2 (flags._check_halves).
     assert list(results["modes"]) == ["baseline", "tp", "tp_overlap"] + (
         ["tp_halves"] if dp == 1 else []) + ["hf_dtensor"], list(results["modes"])
     for mode, d in results["modes"].items():
