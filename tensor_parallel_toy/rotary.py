@@ -44,11 +44,6 @@ def rotary_tables(seq_len, head_dim, base, scaling=None):
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rotary(x, cos, sin):
-    """x [s, b, heads, hd]; rotate each (first half, second half) pair by its position's angle."""
-    return rotate(x, cos[:, None, None, :], sin[:, None, None, :])  # [s, 1, 1, hd/2]
-
-
 def rotate(x, cos, sin):
     """The rotation itself: cos and sin `[..., hd/2]` broadcast against x `[..., hd]` (a token
     at its own position, whatever the layout)."""
@@ -56,4 +51,4 @@ def rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
-__all__ = ["apply_rotary", "rotary_frequencies", "rotary_tables", "rotate"]
+__all__ = ["rotary_frequencies", "rotary_tables", "rotate"]

@@ -25,7 +25,7 @@ layouts differ:
 Rotary embeddings need no conversion. Both rotate the pair (x[j], x[j + hd/2]) of each head by
 position * base^(-2j/hd), Hugging Face's `rotate_half` form: checkpoints converted from Meta's
 interleaved-pair layout already have their q/k rows permuted into it, and this model's
-`apply_rotary` uses the same halves, so q and k rows are copied as they are. Llama 3's and
+`rotary.rotate` uses the same halves, so q and k rows are copied as they are. Llama 3's and
 linear rope scaling become a `RopeScaling`; the other rope types are refused.
 
 What differs between the families is configuration, not layout: Qwen2 has a q/k/v bias; Qwen3
