@@ -174,6 +174,14 @@ def copy_to_row_holders(x, shared, group):
 # ----------------------------------------------------------------------------------------------
 # The collectives they are made of; the ring's one P2P step
 # ----------------------------------------------------------------------------------------------
+# The one-tensor collectives' names: torch 2.13 calls them *_single and deprecates the older
+# names, which are all older torch has (2.11, the CUDA image a GPU machine here runs). Looked up
+# at each call, so code that wraps torch.distributed's entry points (the modeled wire) sees them.
+ALL_GATHER, REDUCE_SCATTER = (("all_gather_single", "reduce_scatter_single")
+                              if hasattr(dist, "all_gather_single") else
+                              ("all_gather_into_tensor", "reduce_scatter_tensor"))
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -189,7 +197,7 @@ def all_gather_seq(x_local, group, async_op=False):
         return x_local, None
     x_local = x_local.contiguous()
     out = x_local.new_empty((x_local.shape[0] * p, *x_local.shape[1:]))
-    work = dist.all_gather_single(out, x_local, group=group, async_op=async_op)
+    work = getattr(dist, ALL_GATHER)(out, x_local, group=group, async_op=async_op)
     return out, work
 
 
@@ -202,7 +210,7 @@ def reduce_scatter_seq(x_full, group, async_op=False):
         raise ValueError(f"cannot reduce-scatter {x_full.shape[0]} sequence rows over {p} ranks")
     x_full = x_full.contiguous()
     out = x_full.new_empty((x_full.shape[0] // p, *x_full.shape[1:]))
-    work = dist.reduce_scatter_single(out, x_full, group=group, async_op=async_op)
+    work = getattr(dist, REDUCE_SCATTER)(out, x_full, group=group, async_op=async_op)
     return out, work
 
 

@@ -352,9 +352,11 @@ def _parser():
     p.add_argument("--steps", default=None, metavar="NAMES",
                    help="run only these steps (comma-separated, e.g. a failed one again: "
                         "--steps sanitizer --tests ring_buffers)")
-    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
-                   help="seconds each step may take before it is stopped (default per step: "
-                        + ", ".join(f"{k} {v:g}" for k, v in STEP_TIMEOUT_S.items()) + ")")
+    p.add_argument("--step-timeout", default=None, metavar="S|STEP=S,...",
+                   help="seconds each step may take before it is stopped, for every step (S) "
+                        "or per step (e.g. nccl-tests=240,profile=120; the others keep "
+                        "theirs); default per step: "
+                        + ", ".join(f"{k} {v:g}" for k, v in STEP_TIMEOUT_S.items()))
     p.add_argument("--dry-run", action="store_true",
                    help="print the steps' commands and stop (works without a GPU)")
     return p
@@ -365,8 +367,11 @@ def _problem(args, share, gpus):
     flag = os.environ.get(SHARE_GPU_ENV, "")
     if flag not in ("", "0", "1"):
         return f"{SHARE_GPU_ENV}={flag!r}: valid are 1 (ranks share a GPU) or 0 or unset"
-    if args.step_timeout is not None and not args.step_timeout > 0:
-        return f"--step-timeout {args.step_timeout:g}: must be a positive number of seconds"
+    if args.step_timeout is not None:
+        try:
+            step_timeouts(args.step_timeout)
+        except ValueError as e:
+            return str(e)
     if args.rehearse or args.dry_run:
         return None
     if gpus == 0:
@@ -382,6 +387,26 @@ def _problem(args, share, gpus):
                 f"process, so {why}; `nvidia-smi -i {first} -c DEFAULT` (as root) allows "
                 f"several")
     return None
+
+
+def step_timeouts(text):
+    """`--step-timeout`'s value as {step: seconds} ("" for every step); ValueError (one line)
+    for anything but a positive number or STEP=positive number items."""
+    limits = {}
+    for item in text.split(","):
+        name, _, value = item.strip().rpartition("=")
+        if name and name not in STEP_TIMEOUT_S:
+            raise ValueError(f"--step-timeout {text!r}: {name!r} is not a step; valid are "
+                             f"{', '.join(STEP_TIMEOUT_S)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not seconds > 0 or name in limits or (not name and "," in text):
+            raise ValueError(f"--step-timeout {text!r}: valid are one positive number of "
+                             f"seconds for every step, or STEP=SECONDS items, once per step")
+        limits[name] = seconds
+    return limits
 
 
 def _only(steps, names):
@@ -412,11 +437,13 @@ def main(argv=None, gpus=None):
     except ValueError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
+    limits = step_timeouts(args.step_timeout) if args.step_timeout else {}
+    for step in steps:
+        step.timeout_s = limits.get(step.name, limits.get("", step.timeout_s))
     if args.dry_run:
         for step in steps:
             env = " ".join(f"{k}={v}" for k, v in step.env.items())
-            limit = args.step_timeout or step.timeout_s
-            print(f"{step.name} (limit {limit:g} s): {env + ' ' if env else ''}"
+            print(f"{step.name} (limit {step.timeout_s:g} s): {env + ' ' if env else ''}"
                   f"{shlex.join(step.argv)}")
         return 0
     os.makedirs(out, exist_ok=True)
@@ -435,7 +462,7 @@ def main(argv=None, gpus=None):
         print(f"\n=== {step.name}: {step.what}\n    {env + ' ' if env else ''}"
               f"{shlex.join(step.argv)}", flush=True)
         try:
-            outcomes.append(run_step(step, out, args.step_timeout))
+            outcomes.append(run_step(step, out))
         except KeyboardInterrupt:
             interrupted = True
             outcomes.append(Outcome(step, "FAILED", 0.0, "interrupted (Ctrl-C): stopped, with "

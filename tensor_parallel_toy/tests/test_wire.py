@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tensor_parallel_toy.comm import all_gather_seq
+from tensor_parallel_toy.comm import REDUCE_SCATTER, all_gather_seq
 from tensor_parallel_toy.profiling import cli as profile
 from tensor_parallel_toy.profiling.report import plots
 from tensor_parallel_toy.profiling.run import phases
@@ -135,7 +135,7 @@ def _on_rank_large_messages_and_every_collective():
     dist.all_reduce(expected["max"], op=dist.ReduceOp.MAX)
     dist.all_gather(expected["gather"], x)
     rs = torch.empty(x.numel() // p)
-    dist.reduce_scatter_tensor(rs, x[:rs.numel() * p])
+    getattr(dist, REDUCE_SCATTER)(rs, x[:rs.numel() * p])
     b = x.clone()
     dist.broadcast(b, src=p - 1)
     with wire.modeled(wire.parse("model:100gbit:1us"), capacity=4096):
@@ -148,7 +148,7 @@ def _on_rank_large_messages_and_every_collective():
         parts = [torch.empty_like(x) for _ in range(p)]
         dist.all_gather(parts, x)
         got_rs = torch.empty_like(rs)
-        dist.reduce_scatter_single(got_rs, x[:rs.numel() * p])
+        getattr(dist, REDUCE_SCATTER)(got_rs, x[:rs.numel() * p])
         dist.broadcast(got_b, src=p - 1)
     return {"ring": torch.equal(received, expected["gather"][(r - 1) % p]),
             "all-reduce": torch.allclose(got_sum, expected["sum"], rtol=1e-6, atol=1e-6),

@@ -17,11 +17,11 @@ import contextlib
 
 import torch.distributed as dist
 
-from ...comm import Pending
+from ...comm import ALL_GATHER, REDUCE_SCATTER, Pending
 
 # entry point -> (kind, where the tensor whose bytes count is among the positional arguments)
-COLLECTIVES = {"all_gather_single": ("all-gather", 1),
-               "reduce_scatter_single": ("reduce-scatter", 1), "all_gather": ("all-gather", 1),
+COLLECTIVES = {ALL_GATHER: ("all-gather", 1),
+               REDUCE_SCATTER: ("reduce-scatter", 1), "all_gather": ("all-gather", 1),
                "all_reduce": ("all-reduce", 0), "broadcast": ("broadcast", 0)}
 
 

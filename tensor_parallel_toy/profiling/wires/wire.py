@@ -33,6 +33,7 @@ import time
 
 import torch.distributed as dist
 
+from ...comm import ALL_GATHER, REDUCE_SCATTER
 from ..measure.transfers import nbytes, sent_by_ring_step, wrapped
 from . import shared_wire
 from .link import UNITS
@@ -128,17 +129,17 @@ def _call(name, fn, args, kwargs, shared):
     a = a.arguments
     group = a["group"]
     p = dist.get_world_size(group)
-    if name == "all_gather_single":
+    if name == ALL_GATHER:
         out, shard = a["output_tensor"], a["input_tensor"]
         if out.numel() != p * shard.numel() or not out.is_contiguous():
-            raise ValueError(f"all_gather_single: output of {out.numel()} elements for {p} "
+            raise ValueError(f"{name}: output of {out.numel()} elements for {p} "
                              f"shards of {shard.numel()}")
         return ((p - 1) * nbytes(shard), p - 1, a["async_op"],
                 lambda: shared.all_gather_parts(out.chunk(p), shard, group))
     if name == "all_gather":
         return ((p - 1) * nbytes(a["tensor"]), p - 1, a["async_op"],
                 lambda: shared.all_gather_parts(a["tensor_list"], a["tensor"], group))
-    if name == "reduce_scatter_single":
+    if name == REDUCE_SCATTER:
         return ((p - 1) * nbytes(a["input"]) // p, p - 1, a["async_op"],
                 lambda: shared.reduce_scatter(a["output"], a["input"], a["op"], group))
     if name == "all_reduce":
