@@ -36,6 +36,7 @@ SOURCES = {  # placeholder prefix: the committed results file it reads, relative
     "halves": "halves/results_model_1gbit.json",  # tp_halves on a MODELED 1 Gbit/s wire
     "halvesveth": "halves/results_veth_1gbit.json",  # the same over the emulated 1 Gbit/s link
     "halvesloop": "halves/results_loopback.json",  # the default run, loopback
+    "gpu": "gpu/profile/results.json",        # gpu-check's profile step (--share-gpu: 1 GPU)
 }
 _PLACEHOLDER = re.compile(r"\{\{\s*(?:([a-z0-9]+):)?([^|}]+?)\s*(?:\|\s*([^}]+?)\s*)?\}\}")
 
@@ -180,7 +181,7 @@ def derived(data):
                 "dtensor.extra_gap": f"{abs(extra - extra_formula):,}"})
     out.update(_max_rel("run.max_rel_loss", run))
     out.update(_max_rel("run.max_rel_grad_norm", run, "grad_norm_rel_err_vs_baseline"))
-    for name in ("llama", "2d"):
+    for name in ("llama", "2d", "gpu"):
         if name in data:
             out.update(_max_rel(f"{name}.max_rel_loss", data[name]))
     out["results_table"] = _results_table(run)
@@ -212,6 +213,17 @@ def derived(data):
     return out
 
 
+def _gpu_check(blog_dir):
+    """gpu-check's test steps, from their JUnit reports in blog/gpu/: tests passed per step."""
+    from ..launcher.gpu_check import read_report
+    out = {}
+    for step in ("nccl-tests", "sanitizer"):
+        tests = read_report(os.path.join(blog_dir, "gpu", f"{step}.xml"), "nccl")
+        if tests.counts:
+            out[f"gpu.{step}.passed"] = str(tests.backend_passed)
+    return out
+
+
 def values(blog_dir):
     """({source name: its parsed results}, for the sources present; `derived` of them)."""
     data = {}
@@ -220,7 +232,7 @@ def values(blog_dir):
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 data[name] = json.load(f)
-    return data, derived(data)
+    return data, {**derived(data), **_gpu_check(blog_dir)}
 
 
 def render(template, data, named, source="template"):

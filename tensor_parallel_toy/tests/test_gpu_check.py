@@ -9,6 +9,7 @@ summary's first lines with its step, its test and its cause.
 import concurrent.futures
 import dataclasses
 import os
+import re
 import sys
 import time
 import types
@@ -19,6 +20,7 @@ from tensor_parallel_toy.launcher import gpu_check, initialize, machine, smoke
 from tensor_parallel_toy.launcher.gpu_check import Step, run_step, summary
 from tensor_parallel_toy.launcher.initialize import SHARE_GPU_ENV
 from tensor_parallel_toy.launcher.pool import INJECT_ENV, WorkerError
+from tensor_parallel_toy.tests.helpers import assert_one_line
 from tensor_parallel_toy.tests.processes import Pools, process_gone
 
 REHEARSED = ["nccl-smoke"]  # the test steps run in the failure rehearsal below (one of them
@@ -374,6 +376,15 @@ def test_steps_names_the_steps_to_run_and_an_unknown_one_is_refused(tmp_path, ca
     assert gpu_check.main(["--rehearse", "--dry-run", "--steps", "nccl-test"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nccl-test is not a step" in err and "nccl-tests" in err
+    # A time limit for every step, or per step (the others keep their own).
+    assert gpu_check.main(["--rehearse", "--dry-run", "--step-timeout", "sanitizer=7"]) == 0
+    limits = dict(re.findall(r"^(\S+) \(limit (\S+) s\)", capsys.readouterr().out, re.M))
+    assert limits == {name: "7" if name == "sanitizer" else f"{gpu_check.STEP_TIMEOUT_S[name]:g}"
+                      for name in limits} and "sanitizer" in limits, limits
+    for bad, words in (("0", ["'0'", "positive"]), ("nccl=3", ["'nccl' is not a step",
+                                                               "nccl-tests"])):
+        assert gpu_check.main(["--rehearse", "--dry-run", "--step-timeout", bad]) == 2
+        assert_one_line(capsys.readouterr().err.strip(), words, f"--step-timeout {bad}")
 
 
 def test_a_k_expression_is_not_taken_for_a_folder_of_that_name(tmp_path, monkeypatch):
