@@ -30,7 +30,9 @@ Each step has a time limit generous enough for two ranks time-slicing one GPU (`
 overrides it); a step past it is stopped, with every rank it started, and reported as timed out.
 Each step's output goes to the screen and to OUT/<step>.log (the test steps also write
 OUT/<step>.xml, pytest's JUnit report; both, and a profile's results.json, are removed before
-the step starts, so nothing stale is read). The summary, printed last and written to
+the step starts, so nothing stale is read). Each rank's own stderr (NCCL's warnings, a
+watchdog's last words) goes to OUT/<step>-ranks/rank<r>-of-<n>.log, whatever pytest captures;
+a rank's error quotes its last lines, and a failed step's summary names the folder. The summary, printed last and written to
 OUT/summary.txt, is the block to paste back. Its first line says what passed, what failed and
 where the results are; the failed steps come next, each followed by its failed tests and their
 causes (from the JUnit report: the exception's first line, which for a rank's error carries
@@ -58,6 +60,7 @@ import dataclasses
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +69,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 
 from . import machine
+from .pool import RANK_LOGS_ENV
 from .initialize import (SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_requested,
                          share_gpu_route)
 
@@ -124,21 +128,25 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
     sizes = [*TINY_MODEL, "--bench-shape", "16,2,32,64"] if rehearse else ["--steps", "20"]
     package = [python, "-m", "tensor_parallel_toy"]
 
+    def ranks(name):  # where the step's ranks write their own stderr
+        return {RANK_LOGS_ENV: os.path.join(out, f"{name}-ranks")}
+
     def test_step(name, selection, extra_env, what):
         selection = f"{backend} and ({tests})" if tests else selection
         report = os.path.join(out, f"{name}.xml")
         return Step(name, [*package, "test", "-k", selection, f"--junitxml={report}"],
-                    {**env, **extra_env}, what, timeout_s=STEP_TIMEOUT_S[name], report=report,
-                    backend=backend)
+                    {**env, **extra_env, **ranks(name)}, what, timeout_s=STEP_TIMEOUT_S[name],
+                    report=report, backend=backend)
 
     def profile_step(name, flags, what):
         results = os.path.join(out, name)
         return Step(name, [*package, "profile", "--device", device, *flags, "--out", results],
-                    env, what, results, STEP_TIMEOUT_S[name])
+                    {**env, **ranks(name)}, what, results, STEP_TIMEOUT_S[name])
 
     steps = [
         Step("nccl-smoke", [python, "-m", "tensor_parallel_toy.launcher.smoke", "--device",
-                            device, "--timeout", str(SMOKE_TIMEOUT_S)], env,
+                            device, "--timeout", str(SMOKE_TIMEOUT_S)],
+             {**env, **ranks("nccl-smoke")},
              f"two {backend} ranks: form the group, all-reduce, a ring step, a barrier",
              timeout_s=STEP_TIMEOUT_S["nccl-smoke"], stops_run=True),
         test_step("nccl-tests", backend, {}, f"the suite's {backend} variants"),
@@ -185,7 +193,9 @@ def _stop(proc):
 
 
 def _remove_stale(step):
-    """An earlier run's report or results must not stand in for this run's."""
+    """An earlier run's report, results or ranks' output must not stand in for this run's."""
+    if step.env.get(RANK_LOGS_ENV):
+        shutil.rmtree(step.env[RANK_LOGS_ENV], ignore_errors=True)
     stale = [step.report] + ([os.path.join(step.results, "results.json")] if step.results
                              else [])
     for path in filter(None, stale):
@@ -223,7 +233,7 @@ def run_step(step, out, timeout_s=None):
     seconds = time.perf_counter() - start
     log_name = os.path.basename(log_path)
     tests = read_report(step.report, step.backend)
-    evidence = tests.failures or _evidence(log_path)
+    evidence = (tests.failures or _evidence(log_path)) + _ranks_output(step)
     if code is None:
         return Outcome(step, "TIMED OUT", seconds,
                        f"stopped after {timeout_s:g} s, the step's time limit{tests.counts}; "
@@ -288,6 +298,13 @@ def read_report(report, backend=None):
     found.counts = ", " + ", ".join(parts or ["0 tests"])
     found.skip_reasons = found.skip_reasons[:3]
     return found
+
+
+def _ranks_output(step):
+    """Where a step's ranks wrote their own stderr, if any of them said anything."""
+    folder = step.env.get(RANK_LOGS_ENV)
+    files = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
+    return [f"ranks' own stderr: {folder}/ ({', '.join(files)})"] if files else []
 
 
 def _evidence(log_path, most=8):

@@ -12,6 +12,7 @@ it.
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -139,12 +140,55 @@ def _injected(stage, rank, world_size):
     if stage == "task" and what == "raise":
         raise RuntimeError(f"injected by {INJECT_ENV}=raise: the error a failed collective "
                            f"raises")
-    if stage == "task" and what == "abort":
+    if stage == "task" and what == "abort":  # after its last words, as NCCL's watchdog
+        os.write(2, f"injected by {INJECT_ENV}=abort: a rank's last words\n".encode())
         os.abort()
 
 
+# A folder for the ranks' own stderr, one file per rank (see `WorkerPool`).
+RANK_LOGS_ENV = "TENSOR_PARALLEL_TOY_RANK_LOGS"
+
+
+def rank_log(folder, rank, world_size):
+    return os.path.join(folder, f"rank{rank}-of-{world_size}.log")
+
+
+def _stderr_to(path):
+    """This process's stderr (file descriptor 2, so C++'s and NCCL's errors too) into `path`,
+    written by the OS as it comes: what a rank says just before it dies is there. Its stdout
+    (a profile's progress lines) stays where it was."""
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def last_lines(path, most=6):
+    """The last non-empty lines of a rank's stderr file ([] if there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line.rstrip() for line in text.splitlines() if line.strip()][-most:]
+
+
+def _remove_if_empty(logs):
+    """A rank that said nothing leaves no file, and a folder of none is removed."""
+    for path in filter(None, logs):
+        try:
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+            os.rmdir(os.path.dirname(path))
+        except OSError:  # not empty, or gone
+            pass
+
+
 def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, environ,
-                 high_priority_streams=False):
+                 high_priority_streams=False, log=None):
+    if log:
+        _stderr_to(log)
     # Ctrl-C in a terminal signals every process of the job: the launcher decides what a stop
     # means, and stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -189,10 +233,18 @@ class WorkerPool:
     """`world_size` local ranks in one process group, reused across many `run` calls.
 
     Under NCCL rank r binds GPU r (all ranks GPU 0 when SHARE_GPU_ENV=1 lets them share one);
-    `high_priority_streams`: see `nccl_options`."""
+    `high_priority_streams`: see `nccl_options`.
+
+    `log_dir` (default: RANK_LOGS_ENV's folder, if set; gpu-check sets it for each step, the
+    suite's pools use a temporary one): each rank's stderr goes to LOG_DIR/rank<r>-of-<n>.log
+    (emptied when the pool starts; removed at the end if the rank said nothing) instead of
+    the launcher's, and a WorkerError quotes the failed rank's last lines. Without it a forked
+    worker writes where the fork server's stderr pointed when the server started: the
+    launcher's terminal for a command, but under pytest the capture of the test that started
+    the server, never shown."""
 
     def __init__(self, world_size, backend=None, timeout_s=DEFAULT_TIMEOUT_S,
-                 high_priority_streams=False, start_timeout_s=None):
+                 high_priority_streams=False, start_timeout_s=None, log_dir=None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world size {world_size!r} must be a positive integer")
         devices = {None: "auto", "gloo": "cpu", "nccl": "cuda"}
@@ -201,6 +253,13 @@ class WorkerPool:
         self.world_size = world_size
         self.backend = choose_backend(world_size, devices[backend])  # checks the GPU count
         self.timeout_s = timeout_s
+        log_dir = log_dir or os.environ.get(RANK_LOGS_ENV) or None
+        self.logs = [rank_log(log_dir, r, world_size) if log_dir else None
+                     for r in range(world_size)]
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            for path in self.logs:
+                open(path, "w").close()
         # The store lives here, on a port the OS picked (port 0): two pools, or a pool and a
         # torchrun job, can never collide on a port.
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
@@ -212,7 +271,7 @@ class WorkerPool:
             ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
                         args=(rank, world_size, self._store.port, self.backend, timeout_s,
                               self._tasks[rank], self._results, dict(os.environ),
-                              high_priority_streams))
+                              high_priority_streams, self.logs[rank]))
             for rank in range(world_size)]
         try:
             _start_fork_server(ctx)
@@ -251,7 +310,8 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     self.close(graceful=False)
                     raise WorkerError(f"no answer from ranks {missing} within "
-                                      f"{timeout_s:.0f} s{starting}; stopped all ranks") from None
+                                      f"{timeout_s:.0f} s{starting}; stopped all ranks"
+                                      + self._output_of(missing)) from None
                 continue
             if status == "error":
                 cause = raised(payload)
@@ -266,7 +326,7 @@ class WorkerPool:
                 silent = [r for r in missing if r != rank]
                 raise WorkerError(f"rank {rank} raised: {cause}" + (
                     f" ({starting.strip()}; no word from ranks {silent})" if starting and silent
-                    else "") + f"\n{payload}")
+                    else "") + f"\n{payload}" + self._output_of([rank]))
             assert status == expected, (status, expected)
             got[rank] = payload
         return [got[r] for r in range(self.world_size)]
@@ -286,8 +346,21 @@ class WorkerPool:
         if dead:
             self.close(graceful=False)
             rank, code = dead[0]
-            raise WorkerError(f"rank {rank} died ({exit_meaning(code)}); stopped the other "
-                              f"ranks" + (f"; {also}" if also else ""))
+            said = last_lines(self.logs[rank], 1) if self.logs[rank] else []
+            raise WorkerError(f"rank {rank} died ({exit_meaning(code)})"
+                              + (f"; its last line: {said[0]}" if said else "")
+                              + "; stopped the other ranks" + (f"; {also}" if also else "")
+                              + self._output_of([rank]))
+
+    def _output_of(self, ranks):
+        """The ranks' last lines, from their stderr files, for an error's later lines."""
+        parts = []
+        for rank in ranks:
+            lines = last_lines(self.logs[rank]) if self.logs[rank] else []
+            if lines:
+                parts.append(f"\nrank {rank}'s last lines ({self.logs[rank]}):\n"
+                             + "\n".join(f"  {line}" for line in lines))
+        return "".join(parts)
 
     def close(self, graceful=True):
         """Ask the workers to leave cleanly; whoever does not within 10 s is killed.
@@ -317,6 +390,7 @@ class WorkerPool:
                 q.cancel_join_thread()  # no worker is left to read what it still holds
                 q.close()
             self._procs = self._results = self._tasks = None
+            _remove_if_empty(self.logs)
 
     def __enter__(self):
         return self

@@ -12,8 +12,12 @@ is queued with the session and runs beside the other tests, two at a time in the
 (or at once when its test asks for it), and the test reads its result from the `background`
 fixture (`processes.Background`).
 """
+import functools
+import os
+
 import pytest
 
+from tensor_parallel_toy.launcher.pool import RANK_LOGS_ENV, WorkerPool
 from tensor_parallel_toy.tests.processes import Background, Pools
 
 
@@ -23,8 +27,11 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def pools():
-    live = Pools()
+def pools(tmp_path_factory):
+    # The ranks' own stderr goes to files (gpu-check's step folder, else the session's temporary
+    # one), so a rank's error reaches the test's failure message whatever pytest captures.
+    logs = os.environ.get(RANK_LOGS_ENV) or str(tmp_path_factory.mktemp("ranks"))
+    live = Pools(start=functools.partial(WorkerPool, log_dir=logs))
     yield live.get
     live.close()
 

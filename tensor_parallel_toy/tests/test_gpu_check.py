@@ -154,7 +154,12 @@ def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_
     assert block[4].startswith(f"      | {test}"), block
     assert ": WorkerError: rank 1 died (exit code -6, SIGABRT: an abort, as NCCL's watchdog" \
         in block[4], block
-    assert block[5].split()[:2] == ["passed", "again"] and "1 passed" in block[5], block
+    # What the rank wrote before it died, whatever pytest captured, and where the rest is.
+    assert (f"watchdog aborts a rank whose collective failed or timed out); its last line: "
+            f"injected by {INJECT_ENV}=abort: a rank's last words; stopped") in block[4], block
+    assert block[5].startswith("      | ranks' own stderr: ") and \
+        block[5].endswith("sanitizer-ranks/ (rank1-of-2.log)"), block
+    assert block[6].split()[:2] == ["passed", "again"] and "1 passed" in block[6], block
 
 
 def test_a_pool_that_failed_to_start_fails_later_tests_at_once_with_its_first_error():

@@ -24,6 +24,9 @@ def _on_rank_fail_while_peers_wait(how):
     """Rank 1 fails; every other rank is already blocked in a collective rank 1 never joins."""
     if dist.get_rank() == 1:
         time.sleep(0.5)  # let the others enter the all-reduce first
+        print("a line through Python", file=sys.stderr, flush=True)
+        print("not an error: stdout stays where it was", flush=True)
+        os.write(2, f"last words from native code before: {how}\n".encode())  # as NCCL writes
         if how == "raise":
             raise RuntimeError("boom on purpose")
         if how == "abort":  # what NCCL's watchdog does to a rank whose collective failed
@@ -38,8 +41,9 @@ def _on_rank_fail_while_peers_wait(how):
     ("sigkill", "rank 1 died (exit code -9, SIGKILL: the out-of-memory killer's signal"),
     ("abort", "rank 1 died (exit code -6, SIGABRT: an abort, as NCCL's watchdog aborts a rank"),
 ])
-def test_a_failing_rank_stops_all_ranks_and_is_named_with_its_cause_first(how, first_line):
-    pool = WorkerPool(3)
+def test_a_failing_rank_stops_all_ranks_and_is_named_with_its_cause_first(how, first_line,
+                                                                         tmp_path):
+    pool = WorkerPool(3, log_dir=str(tmp_path))
     procs = list(pool._procs)
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
@@ -48,6 +52,13 @@ def test_a_failing_rank_stops_all_ranks_and_is_named_with_its_cause_first(how, f
     assert elapsed < STOP_WITHIN_S, f"took {elapsed:.1f} s to notice and stop the ranks"
     message = str(info.value)
     assert message.splitlines()[0].startswith(first_line), message  # pytest's one-line summary
+    # What the rank said last reaches the error, under pytest's capture too: in the first line
+    # when it died (it had no traceback to send), in the last lines either way.
+    said = f"last words from native code before: {how}"
+    assert (said in message.splitlines()[0]) == (how != "raise"), message
+    assert message.endswith(f"  a line through Python\n  {said}"), message
+    with open(tmp_path / "rank1-of-3.log") as f:
+        assert f.read().endswith(f"{said}\n")
     for proc in procs:
         proc.join(timeout=5)
     alive = [p.name for p in procs if p.is_alive()]
