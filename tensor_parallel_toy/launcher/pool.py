@@ -200,6 +200,10 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, env
         _turn_on_cuda_sanitizer()  # as torch's import would have, in this process
     _exit_with_launcher()
     try:
+        if torch.cuda._is_in_bad_fork():  # CUDA's first use would fail less clearly
+            raise RuntimeError("this rank was forked from a fork server that had initialised "
+                               "CUDA, so it cannot use CUDA; the server must only import "
+                               "(pool._start_fork_server)")
         _injected("start", rank, world_size)
         nccl = {}
         if backend == "nccl":
