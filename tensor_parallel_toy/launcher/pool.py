@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from .initialize import (DEFAULT_TIMEOUT_S, bind_gpu, choose_backend, gpu_count, init_from_env,
                          nccl_options, set_threads, share_gpu_env, shutdown)
-from .signals import signals_held
+from .signals import signals_held, stop_on_signals
 
 
 class WorkerError(RuntimeError):
@@ -410,7 +410,8 @@ def launch(main, world_size=2, *args):
     Under torchrun (RANK and WORLD_SIZE set) this process is one rank: join the group with
     `init_from_env`, run `main`, leave with `shutdown`, and return `[main's result]` (this
     rank's only). Otherwise start `world_size` local ranks (a `WorkerPool`) and return every
-    rank's result in rank order.
+    rank's result in rank order; meanwhile SIGTERM and SIGINT, where the program left them to
+    Python's defaults, stop it with its ranks (signals.py; its exit status 128 + the signal).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         init_from_env()
@@ -418,5 +419,12 @@ def launch(main, world_size=2, *args):
             return [main(*args)]
         finally:
             shutdown()
-    with WorkerPool(world_size) as pool:
-        return pool.run(main, *args)
+    with stop_on_signals(*_unclaimed(signal.SIGTERM, signal.SIGINT)):
+        with WorkerPool(world_size) as pool:
+            return pool.run(main, *args)
+
+
+def _unclaimed(*signums):
+    """Those of `signums` whose handler is still Python's default: a program's own stays."""
+    default = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    return [s for s in signums if signal.getsignal(s) is default[s]]

@@ -50,9 +50,9 @@ class Profile:
     their end by two threads (what `communicate` does): the end of both pipes is the moment
     the caller gets control back, once every process holding them has gone."""
 
-    def __init__(self, out):
+    def __init__(self, out=None, argv=None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tensor_parallel_toy", "profile", *FLAGS, "--out", out],
+            argv or [sys.executable, "-m", "tensor_parallel_toy", "profile", *FLAGS, "--out", out],
             cwd=ROOT, env=installed_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
         self.lines, self.stdout, self.stderr = queue.Queue(), [], []
@@ -227,3 +227,23 @@ def test_a_sigkilled_launcher_not_yet_reaped_leaves_no_process_within_5_s(profil
     left = session_processes(run.proc.pid)
     assert not left, f"processes left {took:.1f} s after SIGKILL: {left}"
     _assert_left_as_it_was(previous_results)
+
+
+def test_an_example_started_by_launch_stops_on_sigterm_within_5_s_leaving_nothing():
+    """`launch()`, which every example calls, stops its ranks on SIGTERM as the profile does:
+    within 5 s, status 143, no process of its session left, nothing on stderr (no traceback,
+    no leaked semaphore)."""
+    run = Profile(argv=[sys.executable, "-m", "tensor_parallel_toy.examples.generate_tp",
+                        "--steps", "100000"])
+    try:
+        # The launcher, the fork server and two ranks, then a moment inside training.
+        _wait_until(run, lambda: len(session_processes(run.proc.pid)) >= 4, "the ranks")
+        time.sleep(1.0)
+        took = run.stop(signal.SIGTERM)
+        assert took < STOP_WITHIN_S and run.proc.returncode == 128 + signal.SIGTERM, \
+            f"exit status {run.proc.returncode} after {took:.1f} s:\n{run.output()}"
+        left = session_processes(run.proc.pid)
+        assert not left, f"processes left {took:.1f} s after: {left}"
+        assert not "".join(run.stderr).strip(), run.output()
+    finally:
+        run.kill()
