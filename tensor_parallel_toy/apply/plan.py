@@ -216,8 +216,15 @@ def _check_style(name, module, style, p):
                 raise ValueError(f"{where}: input_layouts={inp!r}: an nn.Embedding takes the "
                                  f"whole ids, Replicate() (output Shard(d): this rank's sequence "
                                  f"rows; Replicate(): the whole lookup)")
-            if module.padding_idx is not None or module.max_norm is not None:
-                raise ValueError(f"{where}: padding_idx / max_norm are not supported")
+            if module.max_norm is not None:
+                raise ValueError(f"{where}: max_norm={module.max_norm} is not supported (the "
+                                 f"lookup would renormalise rows in place); valid is None")
+            if type(module).forward is not nn.Embedding.forward and \
+                    getattr(module, "embed_scale", None) is None:
+                raise ValueError(f"{where}: {type(module).__name__} has a forward of its own, "
+                                 f"which the vocabulary-parallel lookup would replace; valid "
+                                 f"are nn.Embedding and transformers' scaled word embeddings "
+                                 f"(the lookup times their embed_scale)")
             check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
         else:
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
