@@ -55,9 +55,9 @@ class PlannedColumn(ColumnParallelLinear):
     random_stream = None  # random.TensorParallelRandom, given by parallelize_module
 
     def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
-                 split_dim, where):
+                 split_dim, where, rows=None):
         super().__init__(linear.in_features, output_shape or linear.out_features,
-                         tp_group=tp_group, bias=linear.bias is not None,
+                         tp_group=tp_group, bias=linear.bias is not None, rows=rows,
                          sequence_parallel=input_dim is not None,
                          overlap=overlap and input_dim is not None,  # the ring needs SP
                          split_dim=split_dim, device=linear.weight.device,

@@ -20,8 +20,18 @@ The strings of dense decoders, and what each becomes (s: sequence_parallel=True)
                                     (Qwen3's, Gemma 3's per-head q/k norms), its gradient summed
                                     over the group in the graph
     sequence_parallel               SequenceParallel()
-    colwise_gather_output / rowwise_split_input inside a block: refused, naming the entry (the
-                                    projection's output is sliced after it as one whole tensor)
+    colwise_gather_output on a fused projection inside a block, with its rowwise_split_input
+    partner (transformers gathers the output because the model slices it afterwards), split
+    here by the projection's own layout instead, so the code between runs on this rank's part:
+      gate_up_proj (Phi-3, GLM-4)   ColwiseParallel(output_shape=(2, f), split_dim=1): a rank's
+                                    gate rows then its up rows; the MLP's chunk(2) and the
+                                    activation see this rank's f/p features
+      qkv_proj (Phi-3)              ColwiseParallel(output_sizes=(heads*hd, kv*hd, kv*hd)): a
+                                    rank's q, k and v heads side by side (needs tp_size, and
+                                    each such attention gets a config with this rank's counts)
+      its rowwise_split_input       RowwiseParallel(output Shard(1) if s else Replicate())
+    colwise_gather_output / rowwise_split_input on any other layer inside a block: refused
+                                    (OLMo 2's q/k/v, gathered for its q/k norm over all heads)
 
 Refused in one line naming the entry and what is valid: the MoE strings (grouped_gemm,
 ep_dispatch_experts, moe_tp_experts, moe_identity_expert, packed_colwise, packed_rowwise,
@@ -54,6 +64,8 @@ layers take the whole input (`f`), and its `rowwise` layer reduce-scatters back 
 The gather and `f` cost an all-gather forward and an all-reduce backward where Megatron's
 all-gather + GEMM reduce-scatters; the price of not knowing what the module reads.
 """
+import copy
+
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -76,6 +88,44 @@ def _refuse(key, string, why):
                      f"{', '.join(TRANSLATED)} (colwise_gather_output on the head)")
 
 
+def _gate_up(model, key, tp_size):
+    """A fused gate|up projection (Phi-3's, GLM-4's `gate_up_proj`, which the MLP chunks in
+    two): each half split, a rank's shard its gate rows then its up rows, so the MLP's own
+    chunk(2) gives it its gate and up features and the activation runs on them alone."""
+    linear = matching_modules(model, key)[0][1]
+    return ColwiseParallel(output_shape=(2, linear.out_features // 2), split_dim=1)
+
+
+def _fused_qkv(model, key, tp_size):
+    """A fused q|k|v projection laid out [q heads | k heads | v heads] (Phi-3's `qkv_proj`):
+    each block split by whole heads, a rank's shard its q, k and v heads side by side. The
+    attention slices that output at its head counts (`config.num_attention_heads * head_dim`,
+    `num_key_value_heads`), so each such attention gets a config of its own with this rank's
+    counts: the one change hf_plan makes to the model."""
+    if tp_size is None:
+        _refuse(key, "colwise_gather_output", "is a fused q|k|v split here by heads, which needs "
+                                              "the TP size; give hf_plan(..., tp_size=p)")
+    sizes = None
+    for name, linear in matching_modules(model, key):
+        attn = model.get_submodule(name.rpartition(".")[0])
+        heads, kv_heads = attn.config.num_attention_heads, attn.num_key_value_heads
+        if heads % tp_size or kv_heads % tp_size:
+            raise ValueError(f"{name}: {heads} query and {kv_heads} k/v heads over the TP size "
+                             f"{tp_size}: both must be multiples of it (whole heads per rank)")
+        sizes = (heads * attn.head_dim, kv_heads * attn.head_dim, kv_heads * attn.head_dim)
+        if sum(sizes) != linear.out_features:
+            raise ValueError(f"{name}: out_features={linear.out_features} is not q|k|v of "
+                             f"{heads} and 2 x {kv_heads} heads of {attn.head_dim}")
+        attn.config = copy.copy(attn.config)
+        attn.config.num_attention_heads = heads // tp_size
+        attn.num_key_value_heads = kv_heads // tp_size
+    return ColwiseParallel(output_sizes=sizes)
+
+
+# A fused projection's name -> its split by its own layout (transformers gathers its output).
+FUSED = {"gate_up_proj": _gate_up, "qkv_proj": _fused_qkv}
+
+
 def _is_norm(module):
     """A module that normalises each row of its input with a whole weight (by its kind)."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
@@ -92,10 +142,12 @@ def _layer_list(model, keys):
     return lists[0]
 
 
-def hf_plan(model, *, sequence_parallel=True):
+def hf_plan(model, *, sequence_parallel=True, tp_size=None):
     """The plan for `parallelize_module(model, tp_group, plan)` read from `model.tp_plan`, the
     Hugging Face model's own (see the module docstring); TP + SP by default, classic TP with
-    `sequence_parallel=False`. Reads the model, changes nothing."""
+    `sequence_parallel=False`. Reads the model and changes nothing, but for a fused q|k|v
+    (Phi-3's qkv_proj), which needs `tp_size`: each such attention is given a config of its
+    own holding this rank's head counts (`_fused_qkv`)."""
     strings = dict(getattr(model, "tp_plan", None) or {})
     if not strings:
         raise ValueError(f"{type(model).__name__} has no tp_plan (config.base_model_tp_plan and "
@@ -103,6 +155,9 @@ def hf_plan(model, *, sequence_parallel=True):
                          f"model's own plan")
     layers = _layer_list(model, strings)
     plan, gathered_parents = {}, set()
+    fused = {key: FUSED[key.rpartition(".")[2]] for key, string in strings.items()
+             if string == "colwise_gather_output" and key.startswith(layers + ".")
+             and key.rpartition(".")[2] in FUSED}
     for key, string in strings.items():
         if string in MOE_STRINGS:
             _refuse(key, string, "is a mixture-of-experts style, which this package does not "
@@ -122,6 +177,12 @@ def hf_plan(model, *, sequence_parallel=True):
             plan[key] = ColwiseParallel()
             gathered_parents.add(key.rpartition(".")[0])
         elif string == "rowwise":
+            plan[key] = RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else None)
+        elif key in fused:  # split by its own layout: this rank's heads / features only
+            plan[key] = fused[key](model, key, tp_size)
+            gathered_parents.add(key.rpartition(".")[0])
+        elif string == "rowwise_split_input" and any(
+                k.rpartition(".")[0] == key.rpartition(".")[0] for k in fused):
             plan[key] = RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else None)
         elif string == "colwise_gather_output" and not in_block:  # the head: whole logits
             plan[key] = ColwiseParallel(input_layouts=SEQUENCE if sequence_parallel else None,

@@ -25,14 +25,17 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                     final_logit_softcapping=3.0, pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0)),
 }
+REFUSED = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0))}  # q/k norm: all heads
 BATCH, SEQ = 2, 12
 
 
 def tiny_model(family):
     """The family's random `...ForCausalLM` in fp32, eval mode, the same on every rank."""
     transformers = import_transformers()
-    config_cls, model_cls, change = FAMILIES[family]
+    config_cls, model_cls, change = {**FAMILIES, **REFUSED}[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**TINY, **change})
     return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
@@ -59,7 +62,8 @@ def errors_against_one_device(build, sequence_parallel):
 
     group = dist.group.WORLD
     ref, tp = build(), build()
-    tp = parallelize_module(tp, group, hf_plan(tp, sequence_parallel=sequence_parallel))
+    tp = parallelize_module(tp, group, hf_plan(tp, sequence_parallel=sequence_parallel,
+                                                    tp_size=dist.get_world_size(group)))
     ids, labels = batch()
     out_ref, out = ref(ids, labels=labels), tp(ids, labels=labels)
     out_ref.loss.backward()
@@ -114,6 +118,9 @@ def refusals():
         "split input": ("llama", {f"{layer}.self_attn.o_proj": "rowwise_split_input"},
                         ["self_attn.o_proj", "rowwise_split_input"]),
         "no plan": ("llama", "empty", ["LlamaForCausalLM", "no tp_plan"]),
+        "fused qkv, no tp_size": ("phi3", {}, ["self_attn.qkv_proj", "tp_size"]),
+        "olmo2's q/k over all heads": ("olmo2", {}, ["self_attn.q_proj",
+                                                     "colwise_gather_output"]),
     }
     found = {}
     for case, (family, change, words) in cases.items():
@@ -132,3 +139,18 @@ def refusals():
 def test_each_string_it_cannot_carry_out_is_refused_in_one_line_naming_the_entry():
     for case, (message, words) in refusals().items():
         assert_one_line(message, words, case)
+
+
+def test_a_fused_layout_the_layer_cannot_hold_is_refused_in_one_line():
+    import torch.nn as nn
+
+    from tensor_parallel_toy.apply import ColwiseParallel
+    from tensor_parallel_toy.apply.plan import resolve_plan
+
+    for sizes in ((8, 3, 1), (6, 6, 2)):  # sums to 12 with odd blocks; sums to 14
+        try:
+            resolve_plan(nn.Linear(4, 12), ColwiseParallel(output_sizes=sizes), 2)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        assert_one_line(message, [f"output_sizes={sizes}", "out_features=12"], str(sizes))
