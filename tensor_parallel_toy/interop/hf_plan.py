@@ -31,7 +31,9 @@ The strings of dense decoders, and what each becomes (s: sequence_parallel=True)
                                     each such attention gets a config with this rank's counts)
       its rowwise_split_input       RowwiseParallel(output Shard(1) if s else Replicate())
     colwise_gather_output / rowwise_split_input on any other layer inside a block: refused
-                                    (OLMo 2's q/k/v, gathered for its q/k norm over all heads)
+                                    (OLMo 2's q/k/v, gathered for its q/k norm over all heads:
+                                    split, that norm would need its sum of squares all-reduced
+                                    and its weight split, a style the plan door has not yet)
 
 Refused in one line naming the entry and what is valid: the MoE strings (grouped_gemm,
 ep_dispatch_experts, moe_tp_experts, moe_identity_expert, packed_colwise, packed_rowwise,
