@@ -11,7 +11,7 @@ rest are its clients, in named sub-packages beside it:
                 `guard(model)`: the ranks agree on the model and the batch, ids in range,
                 replicated gradients equal
     apply/      tensor parallelism for a model of your own (a plan; classic TP as a preset)
-    interop/    PyTorch DTensor, FSDP2 / DDP, Hugging Face checkpoints
+    interop/    PyTorch DTensor, FSDP2 / DDP, Hugging Face checkpoints and plans
     launcher/   process groups, the local worker pool, torchrun, the GPU check
     support/    full tensors <-> shards: checkpoints, full state dicts and gradients, the norm
 
@@ -24,6 +24,7 @@ from .config import ModelConfig, RopeScaling
 from .guards import RanksDisagreeError, guard
 from .interop.dtensor_tp import parallelize_hf_model
 from .interop.hf_checkpoint import from_hf, to_hf
+from .interop.hf_plan import hf_plan
 from .launcher.initialize import current_device, init_from_env, shutdown
 from .launcher.pool import WorkerPool, launch
 from .model import Transformer
@@ -36,7 +37,7 @@ __all__ = ["ColumnParallelLinear", "ModelConfig", "RanksDisagreeError", "RopeSca
            "RowParallelLinear", "Transformer", "VocabParallelEmbedding", "WorkerPool",
            "apply_tensor_parallel", "column_parallel_linear", "compare_with_one_device",
            "current_device",
-           "from_hf", "full_grads", "full_state_dict", "grad_norm", "guard", "init_from_env",
-           "launch", "load_full_state_dict", "parallelize_hf_model", "parallelize_module",
+           "from_hf", "full_grads", "full_state_dict", "grad_norm", "guard", "hf_plan",
+           "init_from_env", "launch", "load_full_state_dict", "parallelize_hf_model", "parallelize_module",
            "row_parallel_linear", "shutdown", "sync_replicated_gradients", "to_hf",
            "vocab_parallel_cross_entropy"]

@@ -55,9 +55,9 @@ class PlannedColumn(ColumnParallelLinear):
     random_stream = None  # random.TensorParallelRandom, given by parallelize_module
 
     def __init__(self, linear, tp_group, overlap, input_dim, gather_output, output_shape,
-                 split_dim, where):
+                 split_dim, where, rows=None):
         super().__init__(linear.in_features, output_shape or linear.out_features,
-                         tp_group=tp_group, bias=linear.bias is not None,
+                         tp_group=tp_group, bias=linear.bias is not None, rows=rows,
                          sequence_parallel=input_dim is not None,
                          overlap=overlap and input_dim is not None,  # the ring needs SP
                          split_dim=split_dim, device=linear.weight.device,
@@ -104,7 +104,13 @@ class PlannedRow(RowParallelLinear):
 
 class PlannedEmbedding(VocabParallelEmbedding):
     """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel);
-    `output_dim=None`: the whole lookup on every rank (PyTorch's layout without SP)."""
+    `output_dim=None`: the whole lookup on every rank (PyTorch's layout without SP).
+
+    Two things of the nn.Embedding it replaces are kept, as one device computes them: its
+    `padding_idx` (that row gets no gradient: the lookups of that id are cut from the graph),
+    and the `embed_scale` buffer of `transformers`' scaled word embeddings (Gemma's: their
+    forward is the lookup times it), applied after the sum over the ranks, where each token
+    is one rank's row plus zeros, so the product is one device's."""
 
     def __init__(self, embedding, tp_group, output_dim, where):
         super().__init__(embedding.num_embeddings, embedding.embedding_dim, tp_group=tp_group,
@@ -113,13 +119,26 @@ class PlannedEmbedding(VocabParallelEmbedding):
                          init_weights=False)
         self.output_dim = output_dim
         self.where = where
+        self.padding_idx = embedding.padding_idx
+        scale = getattr(embedding, "embed_scale", None)
+        self.embed_scale = None if scale is None else torch.as_tensor(scale).detach().clone()
+
+    def lookup(self, input_ids):
+        x = super().lookup(input_ids)
+        if self.padding_idx is None:
+            return x
+        return torch.where((input_ids == self.padding_idx).unsqueeze(-1), x.detach(), x)
 
     def forward(self, ids):
         if not self.sequence_parallel:  # lookup + `g`: [..., h] on every rank
-            return super().forward(ids)
-        ids = to_sequence_first(ids, self.output_dim, group_size(self.tp_group), self.where,
-                            whole=True)
-        return super().forward(ids).transpose(0, self.output_dim).contiguous()
+            x = super().forward(ids)
+        else:
+            ids = to_sequence_first(ids, self.output_dim, group_size(self.tp_group), self.where,
+                                    whole=True)
+            x = super().forward(ids).transpose(0, self.output_dim).contiguous()
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.device, x.dtype)
+        return x
 
 
 def _conv_repr(layer):

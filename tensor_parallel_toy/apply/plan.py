@@ -40,6 +40,9 @@ What each style does here, p = TP size:
                       (gather_from_tensor_parallel_region; backward keeps this rank's slice).
                       output_shape=(...), split_dim=k: the rows flatten that shape, split along
                       dim k (a fused q|k|v is (3, heads, head_dim) split along 1).
+                      output_sizes=(a, b, ...): the rows are blocks of those sizes, each cut
+                      in p pieces, rank r holding piece r of each (a fused q|k|v with fewer k/v
+                      heads: (heads * hd, kv_heads * hd, kv_heads * hd)).
                       A 1x1 nn.Conv2d (channels on dim 1) -> PlannedConvColumn, default
                       layouts only: `f`, then its output channels (classic TP).
     RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
@@ -116,7 +119,7 @@ from .coverage import check_at_first_forward, check_plan_coverage
 from .sequence_parallel import sum_gradients_in_graph
 from .random import attach_random_stream
 from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
-                     PrepareModuleOutput, RowwiseParallel, SequenceParallel, is_style,
+                     PrepareModuleOutput, column_rows, RowwiseParallel, SequenceParallel, is_style,
                      layout_or, layout_pairs, prepare_hook, sequence_dim, translate_style)
 
 
@@ -181,6 +184,15 @@ def _check_style(name, module, style, p):
         if not (isinstance(out, Replicate) or (isinstance(out, Shard) and out.dim == -1)):
             raise ValueError(f"{where}: output_layouts={out!r}: valid are Shard(-1) (this "
                              f"rank's features) and Replicate() (gathered)")
+        if style.output_sizes is not None:
+            sizes = tuple(style.output_sizes)
+            if conv or style.output_shape is not None or isinstance(out, Replicate):
+                raise ValueError(f"{where}: output_sizes={sizes} takes neither output_shape nor "
+                                 f"output_layouts=Replicate(); give one row layout, output split")
+            if sum(sizes) != n_out or any(n % p for n in sizes):
+                raise ValueError(f"{where}: output_sizes={sizes}: valid are block sizes that sum "
+                                 f"to {out_name}={n_out}, each a multiple of the TP size {p}")
+            return
         if style.output_shape is None:
             if style.split_dim:
                 raise ValueError(f"{where}: split_dim={style.split_dim} without output_shape; "
@@ -216,8 +228,15 @@ def _check_style(name, module, style, p):
                 raise ValueError(f"{where}: input_layouts={inp!r}: an nn.Embedding takes the "
                                  f"whole ids, Replicate() (output Shard(d): this rank's sequence "
                                  f"rows; Replicate(): the whole lookup)")
-            if module.padding_idx is not None or module.max_norm is not None:
-                raise ValueError(f"{where}: padding_idx / max_norm are not supported")
+            if module.max_norm is not None:
+                raise ValueError(f"{where}: max_norm={module.max_norm} is not supported (the "
+                                 f"lookup would renormalise rows in place); valid is None")
+            if type(module).forward is not nn.Embedding.forward and \
+                    getattr(module, "embed_scale", None) is None:
+                raise ValueError(f"{where}: {type(module).__name__} has a forward of its own, "
+                                 f"which the vocabulary-parallel lookup would replace; valid "
+                                 f"are nn.Embedding and transformers' scaled word embeddings "
+                                 f"(the lookup times their embed_scale)")
             check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
         else:
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
@@ -282,10 +301,11 @@ def _replacement(name, mod, style, group, overlap):
         if isinstance(mod, nn.Conv2d):
             return PlannedConvColumn(mod, group, style.output_shape, style.split_dim, where)
         out = layout_or(style.output_layouts, Shard(-1))
+        rows = None if style.output_sizes is None else column_rows(style, group_size(group))
         return PlannedColumn(mod, group, overlap,
                              sequence_dim(layout_or(style.input_layouts, Replicate()), "", where),
                              isinstance(out, Replicate), style.output_shape, style.split_dim,
-                             where)
+                             where, rows=rows)
     if isinstance(style, RowwiseParallel):
         out = sequence_dim(layout_or(style.output_layouts, Replicate()), "", where)
         if isinstance(mod, nn.Embedding):

@@ -5,10 +5,11 @@ layout helpers that read them (which dim a `Shard(d)` names, the moves a Prepare
 Output may make, and the hooks that make them)."""
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
 
-from ..parallel_linear import split_rows
+from ..parallel_linear import RowSplit, split_rows
 from .layers import redistribute
 
 
@@ -24,6 +25,7 @@ class ColwiseParallel:
     use_local_output: bool = True  # only True: our outputs are plain local tensors
     output_shape: tuple = None  # the rows flatten this shape (a fused projection)
     split_dim: int = 0  # the dim of output_shape split over the ranks
+    output_sizes: tuple = None  # or: blocks of rows side by side, each split (block_rows)
 
 
 @dataclass(frozen=True)
@@ -206,13 +208,35 @@ def torch_plan(plan):
     return out
 
 
+def block_rows(sizes, p):
+    """The `RowSplit` of a weight whose rows are blocks of `sizes` side by side (a fused q|k|v
+    with fewer k/v heads than query heads: (q, k, v) rows), each block cut into p contiguous
+    pieces: rank r holds piece r of every block, in block order, so its output is its own q, k
+    and v side by side, as the full output is (a block of equal sizes is output_shape's (n, m)
+    split along m)."""
+    starts = torch.tensor((0,) + tuple(sizes)).cumsum(0)[:-1]
+    return RowSplit(torch.stack([
+        torch.cat([start + torch.arange(size).chunk(p)[r] for start, size in zip(starts, sizes)])
+        for r in range(p)]))
+
+
+def column_rows(style, p):
+    """The `RowSplit` a ColwiseParallel's output_shape or output_sizes gives (None: one block
+    of rows per rank)."""
+    if style.output_sizes is not None:
+        return block_rows(tuple(style.output_sizes), p)
+    if style.output_shape is not None:
+        return split_rows(tuple(style.output_shape), style.split_dim, p)
+    return None
+
+
 def rank_major_rows(style, p):
     """The order of a full weight's rows under which PyTorch's contiguous row split gives rank r
-    exactly the rows `style` (a ColwiseParallel with output_shape) gives it here: `w[order]`
-    for PyTorch, and `grad[order.argsort()]` back. The identity without an output_shape."""
-    if style.output_shape is None:
-        return None
-    return split_rows(tuple(style.output_shape), style.split_dim, p).rows.flatten()
+    exactly the rows `style` (a ColwiseParallel with output_shape or output_sizes) gives it
+    here: `w[order]` for PyTorch, and `grad[order.argsort()]` back. None (the identity)
+    without either."""
+    rows = column_rows(style, p)
+    return None if rows is None else rows.rows.flatten()
 
 
 # ----------------------------------------------------------------------------------------------

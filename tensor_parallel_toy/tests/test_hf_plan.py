@@ -1,0 +1,156 @@
+"""Hugging Face decoders split by their own TP plan (`hf_plan`), carried out by
+`parallelize_module`, against the same `transformers` model on one device.
+
+Tiny random models built from configs (nothing downloaded), norm weights and biases drawn off
+their defaults: Llama (GQA), Qwen3 (per-head q/k norms) and Gemma 3 (per-head q/k norms with
+1 + weight, four norms a block, the embedding scaled by sqrt(hidden) and tied to the head, a
+padding row, a sliding window of 4 beside a full-attention layer, logit soft-capping). At TP 2,
+sequence parallelism on and off, on a batch that holds the padding id: transformers' own loss
+(labels given to the model), the logits and every parameter's gradient, each rank's shard
+against the matching slice of one device's. And every string a dense plan cannot be carried
+out with is refused in one line naming the entry.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
+                      import_transformers, max_rel_error)
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    final_logit_softcapping=3.0, pad_token_id=0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0)),
+}
+REFUSED = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0))}  # q/k norm: all heads
+BATCH, SEQ = 2, 12
+
+
+def tiny_model(family):
+    """The family's random `...ForCausalLM` in fp32, eval mode, the same on every rank."""
+    transformers = import_transformers()
+    config_cls, model_cls, change = {**FAMILIES, **REFUSED}[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY, **change})
+    return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
+
+
+def batch():
+    """ids (holding id 0, a padding id where the config has one) and labels, a quarter
+    ignored."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen)
+    ids[:, 2] = 0
+    labels = torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=gen)
+    labels[torch.rand(BATCH, SEQ, generator=gen) < 0.25] = -100
+    return ids, labels
+
+
+def errors_against_one_device(build, sequence_parallel):
+    """{key: error} of the model split by its own plan against one device: loss, logits, and
+    every gradient (this rank's shard against the slice of one device's)."""
+    from tensor_parallel_toy.apply import parallelize_module
+    from tensor_parallel_toy.interop.hf_plan import hf_plan
+    from tensor_parallel_toy.parallel_linear import shard
+    from tensor_parallel_toy.support.sharding import layouts
+
+    group = dist.group.WORLD
+    ref, tp = build(), build()
+    tp = parallelize_module(tp, group, hf_plan(tp, sequence_parallel=sequence_parallel,
+                                                    tp_size=dist.get_world_size(group)))
+    ids, labels = batch()
+    out_ref, out = ref(ids, labels=labels), tp(ids, labels=labels)
+    out_ref.loss.backward()
+    out.loss.backward()
+    errors = {"loss": max_rel_error(out.loss, out_ref.loss),
+              "logits": max_rel_error(out.logits, out_ref.logits)}
+    split, mine = layouts(tp), dict(tp.named_parameters())
+    for name, param in ref.named_parameters():
+        errors["grad:" + name] = max_rel_error(mine[name].grad,
+                                               shard(param.grad, split[name], group))
+    return errors
+
+
+def _on_rank_family(family, sequence_parallel):
+    return errors_against_one_device(lambda: tiny_model(family), sequence_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no_sp"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_by_its_own_plan_equals_one_device(pools, family, sequence_parallel):
+    per_rank = pools(2).run(_on_rank_family, family, sequence_parallel)
+    worst = assert_errors(per_rank, MODEL_FP32_TOL, f"{family} by hf_plan, tp=2, "
+                                                    f"sequence_parallel={sequence_parallel}")
+    names = [n for n, _ in tiny_model(family).named_parameters()]
+    assert sum(k.startswith("grad:") for k in worst) == len(names), sorted(worst)
+
+
+def refusals():
+    """{case: the message hf_plan raised (None if it did not)}, one bad entry each; hf_plan
+    reads the model and communicates nothing, so no ranks are needed."""
+    from tensor_parallel_toy.interop.hf_plan import hf_plan
+
+    transformers = import_transformers()
+    layer = "model.layers.*"
+    cases = {  # case: (family or a config, the plan entries changed, the words the error names)
+        "moe": ("llama", {f"{layer}.mlp": "moe_tp_experts"}, ["moe_tp_experts", "mixture"]),
+        "grouped_gemm": ("llama", {f"{layer}.mlp.up_proj": "grouped_gemm"}, ["grouped_gemm"]),
+        "packed": ("llama", {f"{layer}.mlp.up_proj": "packed_colwise"}, ["packed_colwise"]),
+        "ep_router": ("llama", {f"{layer}.mlp": "ep_router"}, ["ep_router"]),
+        "embedding_colwise": ("llama", {"model.embed_tokens": "embedding_colwise"},
+                              ["model.embed_tokens", "embedding_colwise"]),
+        "all_reduce": ("llama", {f"{layer}.mlp": "all_reduce"}, ["all_reduce"]),
+        "local_params": ("llama", {f"{layer}.self_attn": "local_params"}, ["local_params"]),
+        "mla": ("llama", {f"{layer}.self_attn.k_proj": "mla_kv_a_proj"}, ["mla_kv_a_proj"]),
+        "unknown string": ("llama", {f"{layer}.mlp.up_proj": "diagonal"}, ["'diagonal'"]),
+        "no such module": ("llama", {f"{layer}.mlp.w9": "colwise"}, ["mlp.w9", "no module"]),
+        "unnamed linear": ("llama", {f"{layer}.mlp.up_proj": None}, ["mlp.up_proj", "not a norm"]),
+        "unnamed q norm": ("qwen3", {f"{layer}.self_attn.q_norm": None},
+                           ["self_attn.q_norm", "replicated_with_grad_allreduce"]),
+        "gathered in a block": ("llama", {f"{layer}.self_attn.q_proj": "colwise_gather_output"},
+                                ["self_attn.q_proj", "colwise_gather_output"]),
+        "split input": ("llama", {f"{layer}.self_attn.o_proj": "rowwise_split_input"},
+                        ["self_attn.o_proj", "rowwise_split_input"]),
+        "no plan": ("llama", "empty", ["LlamaForCausalLM", "no tp_plan"]),
+        "fused qkv, no tp_size": ("phi3", {}, ["self_attn.qkv_proj", "tp_size"]),
+        "olmo2's q/k over all heads": ("olmo2", {}, ["self_attn.q_proj",
+                                                     "colwise_gather_output"]),
+    }
+    found = {}
+    for case, (family, change, words) in cases.items():
+        model = tiny_model(family)
+        plan = {} if change == "empty" else {**model.tp_plan, **change}
+        model._tp_plan = {k: v for k, v in plan.items() if v is not None}
+        try:
+            hf_plan(model)
+            found[case] = (None, words)
+        except ValueError as e:
+            found[case] = (str(e), words)
+    del transformers
+    return found
+
+
+def test_each_string_it_cannot_carry_out_is_refused_in_one_line_naming_the_entry():
+    for case, (message, words) in refusals().items():
+        assert_one_line(message, words, case)
+
+
+def test_a_fused_layout_the_layer_cannot_hold_is_refused_in_one_line():
+    import torch.nn as nn
+
+    from tensor_parallel_toy.apply import ColwiseParallel
+    from tensor_parallel_toy.apply.plan import resolve_plan
+
+    for sizes in ((8, 3, 1), (6, 6, 2)):  # sums to 12 with odd blocks; sums to 14
+        try:
+            resolve_plan(nn.Linear(4, 12), ColwiseParallel(output_sizes=sizes), 2)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        assert_one_line(message, [f"output_sizes={sizes}", "out_features=12"], str(sizes))
