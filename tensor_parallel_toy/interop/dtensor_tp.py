@@ -209,11 +209,11 @@ def placement_grad_norm(model, tp_group):
 # replicated DTensor whose gradient DTensor marks Partial(), summed over the group by
 # `reduce_partial_grads`; left out of the plan, the weight stays a plain tensor on each rank,
 # the logits and the loss stay right, and its gradient is silently a partial sum.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # what hf_plan knows module by module
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # what dtensor_plan knows, module by module
 _PER_HEAD_NORMS = ("q_norm", "k_norm")
 
 
-def hf_plan(hf_config):
+def dtensor_plan(hf_config):
     """The parallelize plan for a Hugging Face `...ForCausalLM` of one of `HF_MODEL_TYPES`, by
     module name, from its config (`model.config`)."""
     seq_shard = Shard(1)
@@ -313,7 +313,7 @@ def parallelize_hf_model(hf_model, tp_mesh, *, check_replicated_grads="first"):
     ("first", the default, or N; None: off) every replicated gradient that is not a DTensor
     `Partial` is the same on every rank (replicated_grads.py)."""
     check_hf_plan(hf_model.config, tp_mesh.size())
-    plan = hf_plan(hf_model.config)
+    plan = dtensor_plan(hf_model.config)
     check_plan_covers(hf_model, plan)
     options = guard_options(check_ids=None, same_batch="check",
                             check_replicated_grads=check_replicated_grads)

@@ -154,7 +154,7 @@ def test_plan_coverage_names_the_first_uncovered_module_and_reads_patterns():
     model = tiny_hf_model("qwen3")
     config = model.config
     config.model_type = "llama"
-    plan = dtensor_tp.hf_plan(config)
+    plan = dtensor_tp.dtensor_plan(config)
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_norm \(Qwen3RMSNorm, "
                                          r"parameters weight\) is not covered by the plan "
                                          r"\(no entry\)[^\n]*$"):

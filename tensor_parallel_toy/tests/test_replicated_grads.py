@@ -75,7 +75,7 @@ def _on_rank_broken():
 
     group = dist.group.WORLD
     qwen = _tiny_qwen3()
-    plan = {k: v for k, v in dtensor_tp.hf_plan(qwen.config).items()
+    plan = {k: v for k, v in dtensor_tp.dtensor_plan(qwen.config).items()
             if not k.endswith(("q_norm", "k_norm"))}
     parallelize_module(qwen, DeviceMesh.from_group(group, "cpu"), plan)
     watch_replicated_gradients(qwen, group, "first")
