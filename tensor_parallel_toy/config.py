@@ -2,7 +2,8 @@
 
 Every size the tensor-parallel layers split must divide by the TP size. We check that here,
 before any process group or collective exists, so a bad size is one clear line instead of a
-shape error inside a matmul on rank 3.
+shape error inside a matmul on rank 3. The vocabulary is the exception: like Megatron, the
+layers pad it to a multiple of the TP size (`padded_vocab_size`), so any size splits.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -122,10 +123,11 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}; valid num_kv_heads: {valid}")
 
     def check_tp_size(self, tp_size: int) -> None:
-        """Raise one clear error if this model cannot be split over `tp_size` ranks."""
+        """Raise one clear error if this model cannot be split over `tp_size` ranks. Any
+        vocab_size can: the vocabulary is padded to a multiple of tp_size (`padded_vocab_size`)."""
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor-parallel size {tp_size!r} must be a positive integer")
-        for name in ("hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
+        for name in ("hidden_size", "num_heads", "ffn_hidden_size"):
             value = getattr(self, name)
             valid = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
             check_divisible(name, value, tp_size, f"valid TP sizes for it: {valid}")
@@ -169,6 +171,18 @@ def padded_seq_len(seq_len: int, tp_size: int) -> int:
     the real tokens, and the padded labels are ignored by the loss.
     """
     return seq_len + (-seq_len) % tp_size
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The smallest multiple of `tp_size` that holds `vocab_size` rows: the vocabulary the
+    embedding and the LM head split, one equal block of rows per rank.
+
+    Megatron pads to a multiple of `make_vocab_size_divisible_by` (128) times the TP size, for
+    GEMM-friendly shapes; the split itself needs only the multiple of the TP size, which is
+    what is used here. The padding rows (the last ranks' last rows) are zeros, never looked up
+    by a valid id, masked out of the loss and the logits a user sees, and in no checkpoint.
+    """
+    return vocab_size + (-vocab_size) % tp_size
 
 
 def pad_sequence(t, tp_size: int, value):

@@ -12,6 +12,10 @@ Megatron-style:
                 (or SwiGLU: --gate_up (column)--> [s, b, 2m/p] --silu(gate)*up--> --down (row)-->)
     ... blocks ... --RMSNorm--> --head (column)--> logits [s, b, V/p] --vocab-parallel loss-->
 
+(A vocabulary p does not divide is padded to a multiple of p, in the embedding and the head:
+V/p reads padded_vocab_size(V, p)/p; the padding is masked by the loss and dropped from the
+logits returned, see vocab_parallel.py.)
+
 Between the blocks every rank holds its s/p sequence rows of the residual stream (sequence
 parallel region); inside attention and the MLP it holds the full sequence but only its slice of
 heads / ffn features (tensor parallel region). Parameter names are the same in both modes, so a
@@ -274,7 +278,8 @@ class Transformer(nn.Module):
     """Token embedding -> num_layers blocks -> final RMSNorm -> LM head.
 
     `model(input_ids)`: input_ids `[b, s]`, the same full batch on every rank, any s up to
-    max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection).
+    max_seq_len -> full logits `[b, s, vocab]` on every rank (gathered: for inspection; a
+    padded vocabulary's padding dropped).
     `model(input_ids, labels)` (or `model.loss(...)`, the same): the mean cross-entropy over
     the tokens whose label is not ignore_index, the same scalar on every rank, from
     vocab-sharded logits (never gathered).
@@ -317,7 +322,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps,
                             tp_group if sequence_parallel else None)
         self.head = column_parallel_or_plain(config.hidden_size, config.vocab_size, tp_group,
-                                             **switches)
+                                             pad=True, **switches)
         if config.tie_embeddings:
             # One Parameter, two uses: both gradients accumulate into it. Under TP the head
             # and the embedding split the same vocabulary rows, so the shards line up too.
@@ -346,7 +351,8 @@ class Transformer(nn.Module):
         s = input_ids.shape[1]
         logits = self.sharded_logits(pad_sequence(input_ids.t(), self.seq_multiple, 0))
         if labels is None:
-            return gather_from_tensor_parallel_region(logits, self.tp_group)[:s].transpose(0, 1)
+            logits = gather_from_tensor_parallel_region(logits, self.tp_group)  # [s', b, V']
+            return logits[:s, :, :self.config.vocab_size].transpose(0, 1)
         labels = pad_sequence(labels.t(), self.seq_multiple, ignore_index)  # [s', b]
         loss = self.cross_entropy(logits, labels, reduction, ignore_index=ignore_index,
                                   label_smoothing=label_smoothing)
@@ -370,7 +376,9 @@ class Transformer(nn.Module):
 
     def sharded_logits(self, ids):
         """ids `[s', b]` -> this rank's logits `[s', b, V/p]`: the embedding, the blocks, the
-        final norm and the head (halves/ runs them as two interleaved halves of the batch)."""
+        final norm and the head (halves/ runs them as two interleaved halves of the batch).
+        A padded vocabulary's padding columns are here (logits 0, on the last ranks): the
+        loss masks them (`cross_entropy`), and `model(ids)` drops them after the gather."""
         return self.head(self.hidden_states(ids))
 
     def cross_entropy(self, logits, labels, reduction, **options):
@@ -379,6 +387,7 @@ class Transformer(nn.Module):
         TP result is compared with."""
         if self.tp_group is not None:
             return vocab_parallel_cross_entropy(logits, labels, self.tp_group,
+                                                vocab_size=self.config.vocab_size,
                                                 reduction=reduction, **options)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                reduction=reduction, **options)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from .comm import (all_gather_seq, all_reduce_, copy_to_row_holders,
                    copy_to_tensor_parallel_region, group_rank, group_size,
                    reduce_from_tensor_parallel_region, reduce_scatter_seq)
-from .config import check_divisible
+from .config import check_divisible, padded_vocab_size
 from .ring import GemmRingReduceScatter, RingAllGatherGemm, flat
 
 DEFAULT_INIT_STD = 0.02
@@ -80,11 +80,15 @@ class RowSplit:
 class Layout:
     """How one parameter is split over the TP ranks. `dim`: the dim split (None: every rank
     holds it whole); `rows`: a `RowSplit` when dim 0 is split unevenly; `init_std`: the std of
-    the model's normal init (None: keep the values built). Whatever must treat parameters
-    differently (checkpoints, gradient norms, checks) reads these, never a parameter's name."""
+    the model's normal init (None: keep the values built); `full_size`: the full tensor's
+    length along `dim` when the shards are of it padded with zero rows to a multiple of p (a
+    vocabulary, `config.padded_vocab_size`), the padding in no full tensor. Whatever must
+    treat parameters differently (checkpoints, gradient norms, checks) reads these, never a
+    parameter's name."""
     dim: int | None = None
     rows: RowSplit | None = None
     init_std: float | None = DEFAULT_INIT_STD
+    full_size: int | None = None
 
 
 def set_layout(module, name, **layout):
@@ -112,22 +116,27 @@ def split_rows(shape, split_dim, p, name="out_features"):
 
 
 def full_shape(local, layout, tp_size):
-    """The shape of the whole tensor of which `local` is this rank's shard."""
+    """The shape of the whole tensor of which `local` is this rank's shard (without padding)."""
     shape = list(local.shape)
     if layout.rows is not None:
         shape[0] = int(layout.rows.rows.max()) + 1
     elif layout.dim is not None:
-        shape[layout.dim] *= tp_size
+        shape[layout.dim] = layout.full_size or shape[layout.dim] * tp_size
     return shape
 
 
 def shard(full, layout, group):
-    """This rank's part of the full tensor `full`, as `layout` splits it."""
-    if layout.dim is None or group_size(group) == 1:
+    """This rank's part of the full tensor `full`, as `layout` splits it (padding: zeros)."""
+    p = group_size(group)
+    if layout.dim is None or p == 1:
         return full
     if layout.rows is not None:
         return full[layout.rows.rows[group_rank(group)].to(full.device)]
-    return full.chunk(group_size(group), dim=layout.dim)[group_rank(group)]
+    if (layout.full_size or 0) % p:  # padded: zero rows after the full tensor's end
+        pad = list(full.shape)
+        pad[layout.dim] = p - layout.full_size % p
+        full = torch.cat([full, full.new_zeros(pad)], dim=layout.dim)
+    return full.chunk(p, dim=layout.dim)[group_rank(group)]
 
 
 @torch.no_grad()
@@ -265,8 +274,8 @@ class _ParallelLinear(nn.Module):
     layout, the switches, nn.Linear's init of the full weight (`init_weights`)."""
 
     def __init__(self, in_features, out_features, *, tp_group, bias, split_dim, out_rows,
-                 in_cols, rows=None, sequence_parallel=True, overlap=False, ring_pieces=1,
-                 device=None, dtype=None, init_weights=True):
+                 in_cols, rows=None, full_size=None, sequence_parallel=True, overlap=False,
+                 ring_pieces=1, device=None, dtype=None, init_weights=True):
         super().__init__()
         if overlap and not sequence_parallel:
             raise ValueError("overlap=True with sequence_parallel=False: the ring moves "
@@ -276,11 +285,12 @@ class _ParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel  # generation switches it off for a call
         self.overlap, self.ring_pieces = overlap, ring_pieces
         self.weight = nn.Parameter(torch.empty(out_rows, in_cols, device=device, dtype=dtype))
-        set_layout(self, "weight", dim=split_dim, rows=rows)
+        set_layout(self, "weight", dim=split_dim, rows=rows, full_size=full_size)
         self.bias = None
         if bias:  # a column layer's bias is split with its rows; a row layer's is replicated
             self.bias = nn.Parameter(torch.zeros(out_rows, device=device, dtype=dtype))
-            set_layout(self, "bias", dim=0 if split_dim == 0 else None, rows=rows)
+            set_layout(self, "bias", dim=0 if split_dim == 0 else None, rows=rows,
+                       full_size=full_size)
         if init_weights:  # nn.Linear's init of the *full* weight; this rank keeps its slice
             bound = 1 / math.sqrt(in_features)
             init_from_full_(self.weight, layout_of(self, "weight"),
@@ -314,14 +324,19 @@ class ColumnParallelLinear(_ParallelLinear):
     way the shard is one `[rows, in]` weight: one GEMM, whose output `[s, b, rows]` the
     caller unflattens into its part of the shape.
 
+    `pad=True` (an LM head): an int out_features that p does not divide is padded with zero
+    rows to a multiple of p (`config.padded_vocab_size`): the last ranks' last output columns
+    are padding, which the caller drops (the gathered `[..., :out_features]`) or masks
+    (`vocab_parallel_cross_entropy(..., vocab_size=out_features)`).
+
     `sequence_parallel` (default True), `overlap`, `ring_pieces`: see `column_parallel_linear`.
     `init_weights`: draw the full weight as nn.Linear does and keep this rank's slice (a model
     that draws all its weights at once, as `Transformer` does, passes False).
     """
 
     def __init__(self, in_features, out_features, *, tp_group, bias=False, split_dim=0,
-                 rows=None, sequence_parallel=True, overlap=False, ring_pieces=1, device=None,
-                 dtype=None, init_weights=True):
+                 rows=None, pad=False, sequence_parallel=True, overlap=False, ring_pieces=1,
+                 device=None, dtype=None, init_weights=True):
         p = group_size(tp_group)
         shaped = not isinstance(out_features, int)
         if not shaped and split_dim != 0:
@@ -330,13 +345,15 @@ class ColumnParallelLinear(_ParallelLinear):
                              f"leave it at 0")
         if shaped:
             rows = split_rows(out_features, split_dim, p)
+        full_size = out_features if pad and rows is None else None
         if rows is None:
-            check_divisible("out_features", out_features, p)
-            out_rows = out_features // p
+            if not pad:
+                check_divisible("out_features", out_features, p)
+            out_rows = padded_vocab_size(out_features, p) // p
         else:  # this rank's rows, in its order
             out_rows = rows.rows.shape[1]
         super().__init__(in_features, out_features, tp_group=tp_group, bias=bias, split_dim=0,
-                         out_rows=out_rows, in_cols=in_features, rows=rows,
+                         out_rows=out_rows, in_cols=in_features, rows=rows, full_size=full_size,
                          sequence_parallel=sequence_parallel, overlap=overlap,
                          ring_pieces=ring_pieces, device=device, dtype=dtype,
                          init_weights=init_weights)
@@ -393,20 +410,22 @@ class RowParallelLinear(_ParallelLinear):
 
 
 def column_parallel_or_plain(in_features, out_features, tp_group=None, *, bias=False,
-                             split_dim=0, rows=None, init_std=DEFAULT_INIT_STD, **switches):
+                             split_dim=0, rows=None, pad=False, init_std=DEFAULT_INIT_STD,
+                             **switches):
     """`nn.Linear` for the non-TP baseline (tp_group=None; a shaped `out_features` flattened),
-    else a ColumnParallelLinear whose weights the model draws (`init_weights=False`; `switches`:
-    `sequence_parallel`, `overlap`, `ring_pieces`). Either way the output is `[..., rows]` with
-    the rows in the same order."""
+    else a ColumnParallelLinear whose weights the model draws (`init_weights=False`; `pad`: see
+    ColumnParallelLinear; `switches`: `sequence_parallel`, `overlap`, `ring_pieces`). Either
+    way the output is `[..., rows]` with the rows in the same order."""
     if tp_group is None:
         n = out_features if isinstance(out_features, int) else math.prod(out_features)
         layer = nn.Linear(in_features, n, bias=bias)
     else:
         layer = ColumnParallelLinear(in_features, out_features, tp_group=tp_group, bias=bias,
-                                     split_dim=split_dim, rows=rows, init_weights=False,
-                                     **switches)
+                                     split_dim=split_dim, rows=rows, pad=pad,
+                                     init_weights=False, **switches)
     split = layout_of(layer, "weight")
-    set_layout(layer, "weight", dim=split.dim, rows=split.rows, init_std=init_std)
+    set_layout(layer, "weight", dim=split.dim, rows=split.rows, full_size=split.full_size,
+               init_std=init_std)
     return layer
 
 

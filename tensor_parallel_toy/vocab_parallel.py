@@ -10,6 +10,12 @@ b = batch. Rank r owns vocabulary rows `r*V/p:(r+1)*V/p` (its "shard") of
 
 With `tie_embeddings` both are one weight; the shards line up because both split the same rows.
 
+A vocabulary p does not divide (32001, 50257) is padded, as Megatron pads it, to V' rows, the
+next multiple of p (`config.padded_vocab_size`), and V/p above reads V'/p: the last ranks' last
+rows are padding. They are zeros, no valid id looks them up, the loss masks their logits out
+of its max, its softmax and its gradient (exactly 0), the gathered logits drop them, and the
+full tensors (`support.sharding`) leave them out: no checkpoint holds them.
+
 An id outside the vocabulary would be masked on every rank and silently become a zero
 embedding or a wrong loss. Nothing here checks: `guard(model)` (guards/) checks a model's ids
 and labels before any collective; called directly, the layer and the loss assume them in
@@ -22,15 +28,16 @@ import torch.nn.functional as F
 
 from .comm import (all_reduce_, group_rank, group_size, reduce_from_tensor_parallel_region,
                    reduce_scatter_to_sequence_parallel_region)
-from .config import check_divisible
+from .config import padded_vocab_size
 from .parallel_linear import init_from_full_, layout_of, set_layout
 
 
 def vocab_range(vocab_size, group):
-    """[start, end) of the vocabulary rows this rank owns."""
-    shard = vocab_size // group_size(group)
+    """[start, end) of the real vocabulary rows this rank owns: its block of the padded
+    vocabulary, less the padding past vocab_size (end = start on a rank holding only that)."""
+    shard = padded_vocab_size(vocab_size, group_size(group)) // group_size(group)
     start = group_rank(group) * shard
-    return start, start + shard
+    return start, max(start, min(start + shard, vocab_size))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,7 +45,8 @@ class VocabParallelEmbedding(nn.Module):
 
     input_ids `[s, b]`, the same on every rank  ->  `[s/p, b, h]`, this rank's sequence rows
     (`sequence_parallel=False`: ids `[...]` -> `[..., h]`, the whole lookup on every rank).
-    Weight shard `[V/p, h]` = rows r*V/p:(r+1)*V/p of the full table (its layout: dim 0).
+    Weight shard `[V/p, h]` = rows r*V/p:(r+1)*V/p of the full table (its layout: dim 0),
+    the vocabulary padded to a multiple of p (zero rows, never looked up: see the module).
 
     Each rank looks up every token in its own shard; a token outside it gets zeros. Exactly one
     rank finds each token, so the sum over ranks is the full lookup: a reduce-scatter along the
@@ -55,15 +63,15 @@ class VocabParallelEmbedding(nn.Module):
                  device=None, dtype=None, init_weights=True):
         super().__init__()
         p = group_size(tp_group)
-        check_divisible("num_embeddings", num_embeddings, p)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group)
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings // p, embedding_dim, device=device, dtype=dtype))
-        set_layout(self, "weight", dim=0)
+            torch.empty(padded_vocab_size(num_embeddings, p) // p, embedding_dim, device=device,
+                        dtype=dtype))
+        set_layout(self, "weight", dim=0, full_size=num_embeddings)
         if init_weights:  # nn.Embedding's default, N(0, 1)
             init_from_full_(self.weight, layout_of(self, "weight"), nn.init.normal_, tp_group)
 
@@ -91,7 +99,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     full logits.
 
     logits_local `[N, V/p]` (this rank's vocabulary columns), labels `[N]` (the same on every
-    rank)  ->  loss `[N]` fp32, the same on every rank, 0 where label == ignore_index.
+    rank)  ->  loss `[N]` fp32, the same on every rank, 0 where label == ignore_index. Columns
+    past `vocab_size` (a padded vocabulary's) are -inf: out of c, S and the loss, gradient 0.
 
     With z = logits and t = label, for one token:
         c   = max_v z_v                      all-reduce MAX  (only for exp's range; not
@@ -111,7 +120,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_local, labels, group, vocab_size, ignore_index, label_smoothing):
         start, end = vocab_range(vocab_size, group)
+        real = end - start  # this rank's columns before the padding
         z = logits_local.float()
+        if real < z.shape[-1]:  # the padding: never in the max, the softmax or the loss
+            z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= real, float("-inf"))
         c = all_reduce_(z.max(dim=-1).values, group, op=dist.ReduceOp.MAX)  # [N]
         z = z - c.unsqueeze(-1)  # [N, V/p], all <= 0
         exp = z.exp()
@@ -122,7 +134,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target = z.gather(-1, col.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         sums = [exp.sum(dim=-1), target]
         if label_smoothing > 0:
-            sums.append(z.sum(dim=-1))
+            sums.append(z[:, :real].sum(dim=-1))
         sums = all_reduce_(torch.stack(sums), group)  # [2 or 3, N], one collective
         log_s, target = sums[0].log(), sums[1]
 
@@ -133,7 +145,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(sums[0].unsqueeze(-1))  # [N, V/p], reuses exp's memory
         ctx.save_for_backward(softmax, col, mine, counted)
-        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.label_smoothing, ctx.vocab_size, ctx.real = label_smoothing, vocab_size, real
         ctx.dtype = logits_local.dtype
         return loss
 
@@ -144,12 +156,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax - eps / ctx.vocab_size if eps > 0 else softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, col] -= (1 - eps) * mine.to(grad.dtype)  # the one-hot, on the owning rank
+        grad[:, ctx.real:] = 0  # the padding never reached the loss
         grad *= (dloss * counted).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index=-100,
-                                 label_smoothing=0.0, reduction="mean"):
+def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, vocab_size=None,
+                                 ignore_index=-100, label_smoothing=0.0, reduction="mean"):
     """`F.cross_entropy(full_logits, labels, ...)` computed from this rank's logit columns.
 
     logits_local `[..., V/p]` (this rank's vocabulary shard, as from a ColumnParallelLinear
@@ -157,8 +170,11 @@ def vocab_parallel_cross_entropy(logits_local, labels, tp_group, *, ignore_index
     would on the full `[..., V]` logits, in fp32 and the same on every rank: `reduction="mean"`
     averages over the tokens whose label is not ignore_index (nan if there are none, as in
     PyTorch), "sum" adds them, "none" gives the `[...]` per-token losses (0 where ignored).
+    `vocab_size`: V when the shards are of a padded vocabulary (a head built with `pad=True`:
+    V/p reads padded_vocab_size(V, p)/p), whose padding columns are then left out; None: the
+    shards hold exactly V = p * V/p columns.
     """
-    vocab_size = logits_local.shape[-1] * group_size(tp_group)
+    vocab_size = vocab_size or logits_local.shape[-1] * group_size(tp_group)
     loss = _VocabParallelCrossEntropy.apply(
         logits_local.reshape(-1, logits_local.shape[-1]), labels.reshape(-1), tp_group,
         vocab_size, ignore_index, float(label_smoothing))  # [N]

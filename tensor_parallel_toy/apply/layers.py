@@ -50,7 +50,9 @@ def to_sequence_first(x, dim, p, where, whole=False):
 
 class PlannedColumn(ColumnParallelLinear):
     """ColumnParallelLinear that reads and writes the user's layout (see ColwiseParallel). With
-    its output split, what follows draws from this rank's stream (random.py) until a row layer."""
+    its output split, what follows draws from this rank's stream (random.py) until a row layer.
+    With its output gathered, out_features need not divide by p (an LM head over any
+    vocabulary): the rows are padded to a multiple of p and the gathered padding dropped."""
 
     random_stream = None  # random.TensorParallelRandom, given by parallelize_module
 
@@ -60,7 +62,7 @@ class PlannedColumn(ColumnParallelLinear):
                          tp_group=tp_group, bias=linear.bias is not None, rows=rows,
                          sequence_parallel=input_dim is not None,
                          overlap=overlap and input_dim is not None,  # the ring needs SP
-                         split_dim=split_dim, device=linear.weight.device,
+                         split_dim=split_dim, pad=gather_output, device=linear.weight.device,
                          dtype=linear.weight.dtype, init_weights=False)
         self.input_dim = input_dim
         self.gather_output = gather_output
@@ -72,8 +74,9 @@ class PlannedColumn(ColumnParallelLinear):
         else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
             x = to_sequence_first(x, self.input_dim, self.tp_size, self.where)
             y = super().forward(x).transpose(0, self.input_dim).contiguous()
-        if self.gather_output:
-            return gather_from_tensor_parallel_region(y, self.tp_group)
+        if self.gather_output:  # a padded vocabulary (`pad`): its padding columns dropped
+            y = gather_from_tensor_parallel_region(y, self.tp_group)
+            return y[..., :self.out_features].contiguous()
         if self.random_stream is not None:  # the TP region: its draws are this rank's own
             self.random_stream.enter(y.device)
         return y
@@ -104,7 +107,8 @@ class PlannedRow(RowParallelLinear):
 
 class PlannedEmbedding(VocabParallelEmbedding):
     """VocabParallelEmbedding on ids whose sequence is dim `output_dim` (see RowwiseParallel);
-    `output_dim=None`: the whole lookup on every rank (PyTorch's layout without SP).
+    `output_dim=None`: the whole lookup on every rank (PyTorch's layout without SP). Any
+    num_embeddings: a vocabulary p does not divide is padded (vocab_parallel.py).
 
     Two things of the nn.Embedding it replaces are kept, as one device computes them: its
     `padding_idx` (that row gets no gradient: the lookups of that id are cut from the graph),

@@ -37,7 +37,9 @@ What each style does here, p = TP size:
                       _AllGatherGemm, or its ring with overlap=True); backward reduce-scatter.
                       input Replicate() (the default): `f` (copy_to_tensor_parallel_region).
                       output Shard(-1) (default): this rank's features; Replicate(): gathered
-                      (gather_from_tensor_parallel_region; backward keeps this rank's slice).
+                      (gather_from_tensor_parallel_region; backward keeps this rank's slice),
+                      and then out_features may be any size (an LM head over any vocabulary:
+                      padded to a multiple of p, the gathered padding dropped).
                       output_shape=(...), split_dim=k: the rows flatten that shape, split along
                       dim k (a fused q|k|v is (3, heads, head_dim) split along 1).
                       output_sizes=(a, b, ...): the rows are blocks of those sizes, each cut
@@ -48,7 +50,8 @@ What each style does here, p = TP size:
     RowwiseParallel   nn.Linear -> RowParallelLinear, weight columns split, bias replicated.
                       output Shard(d): GEMM then reduce-scatter the sequence (_GemmReduceScatter
                       or its ring); output Replicate() (default): `g`, an all-reduce.
-                      nn.Embedding -> VocabParallelEmbedding: rows split, the whole ids in
+                      nn.Embedding -> VocabParallelEmbedding: rows split (any num_embeddings:
+                      padded to a multiple of p, vocab_parallel.py), the whole ids in
                       (input Replicate()); output Shard(d): reduce-scatter the sequence
                       (reduce_scatter_to_sequence_parallel_region); Replicate(): `g`.
                       A 1x1 nn.Conv2d -> PlannedConvRow: its input channels, then `g`.
@@ -89,7 +92,8 @@ another layout, here the plan must say the layout it arrives in (e.g. PrepareMod
 gather a norm's Shard(1) output before an attention whose column layers take Replicate()).
 
 Refused in one line, before any collective: a key matching no module, a module matched twice
-or planned by an earlier call, a style on a module it cannot split, sizes p does not divide,
+or planned by an earlier call, a style on a module it cannot split, sizes p does not divide
+(a vocabulary aside: an embedding's rows, a gathered head's, are padded),
 use_local_output=False on a column or row layer, a PyTorch style we do not carry out
 (PrepareModuleInputOutput, a subclass, another ParallelStyle) or one carrying an attribute we
 would not honour (ColwiseParallel's desired_input_layouts other than (Replicate(),), any
@@ -197,7 +201,12 @@ def _check_style(name, module, style, p):
             if style.split_dim:
                 raise ValueError(f"{where}: split_dim={style.split_dim} without output_shape; "
                                  f"give output_shape, or leave split_dim at 0")
-            check_divisible(f"{where}: {out_name}", n_out, p)
+            if n_out % p and not isinstance(out, Replicate):
+                raise ValueError(f"{where}: {out_name}={n_out} is not divisible by the TP size "
+                                 f"{p}: only a gathered output (output_layouts=Replicate(), an "
+                                 f"LM head's logits) is padded; left split, pad the layer to "
+                                 f"{n_out + (-n_out) % p} yourself and give "
+                                 f"vocab_parallel_cross_entropy vocab_size={n_out}")
             return
         shape = tuple(style.output_shape)
         if math.prod(shape) != n_out:
@@ -237,7 +246,6 @@ def _check_style(name, module, style, p):
                                  f"which the vocabulary-parallel lookup would replace; valid "
                                  f"are nn.Embedding and transformers' scaled word embeddings "
                                  f"(the lookup times their embed_scale)")
-            check_divisible(f"{where}: num_embeddings", module.num_embeddings, p)
         else:
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
                              f"RowwiseParallel takes an nn.Linear, a 1x1 nn.Conv2d or an "

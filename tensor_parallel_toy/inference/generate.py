@@ -113,7 +113,8 @@ def _logits(model, ids, mask, cache):
     last = model.hidden_states(ids.t(), cache)[-1]  # [b, h], the last position's
     cache.length += ids.shape[1]
     local = model.head(last)  # [b, V/p]
-    return gather_from_tensor_parallel_region(local, model.tp_group).float()  # [b, V]
+    logits = gather_from_tensor_parallel_region(local, model.tp_group)  # [b, V'], padded
+    return logits[:, :model.config.vocab_size].float()  # [b, V]: no padding can be chosen
 
 
 def _next_token(logits, do_sample, temperature, top_k, generator):

@@ -80,6 +80,8 @@ def transformer_plan(config):
 def check_transformer_plan(config, tp_size):
     """What this plan cannot express, refused in one line before any collective."""
     config.check_tp_size(tp_size)  # what no TP split of this model can take
+    check_divisible("vocab_size", config.vocab_size, tp_size, "PyTorch's plan does not pad the "
+                    "vocabulary (the package's Transformer does)")
     if config.tie_embeddings:
         raise ValueError("tie_embeddings=True: parallelize_module gives the embedding and the "
                          "head each a new DTensor parameter, silently untying them; untie them "

@@ -28,6 +28,10 @@ interleaved-pair layout already have their q/k rows permuted into it, and this m
 `rotary.rotate` uses the same halves, so q and k rows are copied as they are. Llama 3's and
 linear rope scaling become a `RopeScaling`; the other rope types are refused.
 
+Any vocabulary size converts as it is: a TP model pads one the TP size does not divide (a Llama 2
+fine-tune's 32001) in its own shards, and its full state dict and gradients, hence `to_hf`,
+have the checkpoint's `[V, h]`.
+
 What differs between the families is configuration, not layout: Qwen2 has a q/k/v bias; Qwen3
 has none but normalises each head's q and k (`qk_norm`), and sets its own head_dim; Mistral
 v0.1 attends within a sliding window (as Qwen2/Qwen3 may, when every layer does).

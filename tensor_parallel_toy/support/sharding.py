@@ -70,6 +70,8 @@ def unshard(local, layout, group):
     if dim is None or p == 1:
         return local
     gathered = all_gather_dim(local, dim, group)
+    if (layout.full_size or 0) % p:  # a padded vocabulary: the padding left out (a copy)
+        return gathered.narrow(dim, 0, layout.full_size).clone()
     if split is None:
         return gathered
     # Every rank's rows put back in place; a row several ranks hold is taken from the first

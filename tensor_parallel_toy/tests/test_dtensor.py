@@ -101,6 +101,7 @@ def test_dtensor_sequence_parallel_grads_are_partial_until_reduced(pools, tp):
     (dict(num_kv_heads=2), ["num_kv_heads=2 < TP size 4", "at least 4"]),
     (dict(mlp="swiglu"), ["mlp='swiglu'", "parallelize_hf_model"]),
     (dict(num_kv_heads=6), ["num_kv_heads=6", "tensor-parallel size 4"]),
+    (dict(vocab_size=97), ["vocab_size=97", "does not pad"]),  # the package's model does
 ])
 def test_dtensor_plan_refuses_what_it_cannot_express(change, words):
     with pytest.raises(ValueError) as info:

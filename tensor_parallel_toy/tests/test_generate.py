@@ -1,14 +1,17 @@
 """Generating text under TP (inference/generate.py) against one device and `transformers`.
 
 Checked: greedy tokens at TP 2 and 4 equal Hugging Face's own `generate` on tiny random Llama
-3.2-like (8 query heads, 2 k/v heads: at TP 4 two ranks share each k/v head) and Qwen3-like
-(q/k norms, head_dim 24) models, on a batch of a 7-token and a left-padded 4-token prompt; the
-tokens one device generates through the KV cache are the argmax of the model's own full
-forward at every position; sampled tokens equal one device's for the same seed; each rank's KV
+3.2-like (8 query heads, 2 k/v heads: at TP 4 two ranks share each k/v head), Qwen3-like
+(q/k norms, head_dim 24) and Llama 2-like models with a vocabulary of 101 (padded to 102 and 104),
+on a batch of a 7-token and a left-padded 4-token prompt; the tokens one device generates
+through the KV cache are the argmax of the model's own full forward at every position; sampled
+tokens equal one device's for the same seed (a vocabulary of 63, padded to 64 at TP 2: the
+padding's logit would change every draw); each rank's KV
 cache is 1/p of one device's, or one shared head per rank when there are fewer k/v heads than
 ranks; ranks that draw different tokens, or are given different prompts, raise one line on
 every rank; bad requests are refused in one line before any collective.
 """
+import dataclasses
 import functools
 import json
 
@@ -26,7 +29,8 @@ from .helpers import BACKENDS, import_transformers, tiny_hf_model, world
 NEW = 6  # tokens generated per prompt
 SHAPES = {"llama3.2": ("LlamaConfig", "LlamaForCausalLM",
                        dict(num_attention_heads=8, tie_word_embeddings=True)),
-          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24))}
+          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
+          "vocab101": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=101, hidden_size=32))}
 
 
 def _prompts(vocab):
@@ -88,11 +92,13 @@ SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, nu
 
 
 def _on_rank_sampled(seeds):
-    """Sampled tokens at TP 2 for this rank's seed, and one device's for seed 0."""
+    """Sampled tokens at TP 2 for this rank's seed, and one device's for seed 0, with a
+    vocabulary of 63 that TP 2 pads to 64."""
     _, _, rank = world()
-    one = Transformer(SMALL, seed=3)
-    tp = Transformer(SMALL, tp_group=dist.group.WORLD, seed=3)
-    ids, mask = _prompts(SMALL.vocab_size)
+    config = dataclasses.replace(SMALL, vocab_size=63)
+    one = Transformer(config, seed=3)
+    tp = Transformer(config, tp_group=dist.group.WORLD, seed=3)
+    ids, mask = _prompts(config.vocab_size)
     kwargs = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20)
     try:
         mine = generate(tp, ids, mask, seed=seeds[rank], **kwargs)

@@ -5,7 +5,9 @@ The models are tiny and random, built from config objects (nothing is downloaded
 drawn away from Hugging Face's init (ones, zeros), so a norm or bias mapped to the wrong place
 shows. Checked: the conversion round-trips exactly; our baseline's logits are Hugging Face's;
 our TP model at TP 2 and 4, overlap on and off, matches Hugging Face in logits, loss and every
-parameter gradient (ours converted back with to_hf, compared under Hugging Face's names).
+parameter gradient (ours converted back with to_hf, compared under Hugging Face's names), and
+its weights gathered and converted back (`to_hf(full_state_dict(tp))`) are Hugging Face's, in
+their shapes: also with a vocabulary of 101 (Llama 2's 32001 in small), which TP 2 pads to 102.
 
 Without `transformers` these tests fail, naming the reason: it is a pinned requirement.
 """
@@ -15,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensor_parallel_toy import Transformer, from_hf, guard, to_hf
-from tensor_parallel_toy.support.sharding import full_grads, load_full_state_dict
+from tensor_parallel_toy.support.sharding import full_grads, full_state_dict, load_full_state_dict
 from tensor_parallel_toy.interop.hf_checkpoint import config_from_hf
 
 from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
@@ -55,7 +57,8 @@ def _hf_reference(family, change):
     ids, labels = random_batch(config, 2, SEQ, seed=3, ignore_frac=0.25)
     logits, loss = _hf_step(hf, ids, labels)
     expected = {"logits": logits.detach(), "loss": loss.detach(),
-                **{"grad:" + n: q.grad for n, q in hf.named_parameters()}}
+                **{"grad:" + n: q.grad for n, q in hf.named_parameters()},
+                **{"weight:" + n: q.detach() for n, q in hf.named_parameters()}}
     return config, state, ids, labels, expected
 
 
@@ -68,6 +71,7 @@ def _on_rank_tp_vs_hf(config, state, ids, labels, expected, overlap):
     loss.backward()
     got = {"logits": tp(ids), "loss": loss}
     got.update({"grad:" + n: g for n, g in to_hf(config, full_grads(tp)).items()})
+    got.update({"weight:" + n: w for n, w in to_hf(config, full_state_dict(tp)).items()})
     return {k: max_rel_error(got[k], want) for k, want in expected.items()}
 
 
@@ -96,12 +100,13 @@ def test_a_hugging_face_checkpoint_is_guarded_like_every_door(pools):
 CASES = [("llama", 2, False, {}), ("llama", 2, True, {}), ("llama", 4, False, {}),
          ("llama", 4, True, {}), ("qwen2", 2, False, {}), ("qwen2", 2, True, {}),
          ("qwen2", 4, False, {}), ("qwen2", 4, True, {}),
-         ("llama", 2, True, dict(num_key_value_heads=4, tie_word_embeddings=True))]
+         ("llama", 2, True, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+         ("llama", 2, False, dict(vocab_size=101, hidden_size=32))]  # padded to 102
 
 
 @pytest.mark.parametrize("family,tp,overlap,change", CASES, ids=[
-    f"{f}-tp{tp}-{'overlap' if o else 'basic'}{'-mha-tied' if c else ''}"
-    for f, tp, o, c in CASES])
+    f"{f}-tp{tp}-{'overlap' if o else 'basic'}"
+    + ("-vocab101" if "vocab_size" in c else "-mha-tied" if c else "") for f, tp, o, c in CASES])
 def test_tp_model_matches_hugging_face_logits_loss_and_every_gradient(pools, family, tp,
                                                                       overlap, change):
     config, state, ids, labels, expected = _hf_reference(family, change)
@@ -110,6 +115,7 @@ def test_tp_model_matches_hugging_face_logits_loss_and_every_gradient(pools, fam
                              expected, overlap)
     worst = assert_errors(per_rank, MODEL_FP32_TOL, f"{family} tp={tp} overlap={overlap}")
     assert sum(k.startswith("grad:") for k in worst) == n_grads > 0, sorted(worst)
+    assert sum(k.startswith("weight:") for k in worst) == n_grads, sorted(worst)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -217,6 +217,9 @@ def _on_rank_refusals():
             (torch.manual_seed(1), ex.GPT(ex.CONFIG))[1], group, plan),
         "fused shape": split({"transformer.h.*.attn.c_attn": ColwiseParallel(
             input_layouts=Shard(1), output_shape=(3, 12, 5), split_dim=1)}),
+        # Padded only when gathered: split logits would carry padding the loss cannot know of.
+        "odd head left split": lambda: parallelize_module(nn.Linear(10, 7), group,
+                                                          ColwiseParallel()),
     }
     return value_error_messages(cases)
 
@@ -234,6 +237,8 @@ def test_mistakes_are_refused_in_one_line_naming_the_culprit(pools):
         "whole over split": ["'transformer.h.0.mlp'", "'transformer.h.0.mlp.c_fc'"],
         "other weights": ["built different models or plans", "sum:transformer.wte.weight"],
         "fused shape": ["output_shape=(3, 12, 5)", "out_features=144"],
+        "odd head left split": ["out_features=7", "TP size 2", "Replicate()", "pad the layer to 8",
+                                "vocab_size=7"],
     }
     for rank, messages in enumerate(pools(2).run(_on_rank_refusals)):
         for key, message in messages.items():

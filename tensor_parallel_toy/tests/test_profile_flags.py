@@ -25,8 +25,10 @@ from tensor_parallel_toy.profiling import cli as profile
     (["--bench-shape", "15,2,32,64"], ["S=15", "TP size 2"]),
     (["--no-such-flag"], ["--no-such-flag"]),
     (["--stpes", "3"], ["--stpes", "did you mean --steps for --stpes?"]),
-    (["--tp", "3"], ["hidden_size=256, num_heads=8, ffn_hidden_size=1024, vocab_size=256",
-                     "size 3", "[2, 4, 8]"]),
+    (["--tp", "3"], ["hidden_size=256, num_heads=8, ffn_hidden_size=1024 are", "size 3",
+                     "[2, 4, 8]"]),
+    # The hand-written modes pad any vocabulary; the dtensor mode (in the default modes) not.
+    (["--vocab", "257"], ["vocab_size=257", "size 2", "does not pad"]),
     (["--timeout", "0"], ["--timeout 0", "positive number of seconds"]),
     (["--tp", "65"], ["--tp 65", "between 2 and 64"]),
     (["--steps", "0"], ["--steps 0"]),

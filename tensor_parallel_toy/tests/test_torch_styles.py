@@ -2,12 +2,14 @@
 (`common_dtensor.Transformer`), planned with PyTorch's own style objects and applied the way its
 `Transformer.parallelize` applies them (the root's entries, then one call per block, then a bare
 style on the output head, the tie made again by hand), equals one device: loss and every
-gradient, SP on and off, overlap on and off, TP 2. And what cannot be carried out is refused in
+gradient, SP on and off, overlap on and off, TP 2 (and with a vocabulary of 7, padded to 8, in
+the tied embedding and the gathered head). And what cannot be carried out is refused in
 one line on every rank: `use_local_output=False`, a PyTorch argument the package does not carry
 out, a plan left incomplete after several calls.
 """
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -80,10 +82,10 @@ def _parallelize(model, group, use_seq_parallel, overlap=False, skip=()):
     return model
 
 
-def _batch(seed=0):
+def _batch(seed=0, vocab=ARGS.vocab_size):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, ARGS.vocab_size, (3, ARGS.max_seq_len), generator=gen),
-            torch.randint(0, ARGS.vocab_size, (3, ARGS.max_seq_len), generator=gen))
+    return (torch.randint(0, vocab, (3, ARGS.max_seq_len), generator=gen),
+            torch.randint(0, vocab, (3, ARGS.max_seq_len), generator=gen))
 
 
 def _loss(model, batch):
@@ -91,20 +93,26 @@ def _loss(model, batch):
     return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
 
 
-def _on_rank_equal_one_device():
+def _on_rank_equal_one_device(args, cases):
     reports = {}
-    for sp, overlap in [(True, False), (True, True), (False, False), (False, True)]:
+    for sp, overlap in cases:
         report = compare_with_one_device(
-            lambda: Transformer(ARGS), lambda m, g: _parallelize(m, g, sp, overlap), _batch(),
-            _loss)
+            lambda: Transformer(args), lambda m, g: _parallelize(m, g, sp, overlap),
+            _batch(vocab=args.vocab_size), _loss)
         reports[f"sp={sp} overlap={overlap}"] = (report.ok, len(report.errors), str(report))
     return reports
 
 
-def test_pytorchs_model_and_plan_equal_one_device_sp_and_overlap_on_and_off(pools):
+ODD_VOCAB = dataclasses.replace(ARGS, vocab_size=7)
+
+
+@pytest.mark.parametrize("args,cases", [
+    (ARGS, [(True, False), (True, True), (False, False), (False, True)]),
+    (ODD_VOCAB, [(True, True), (False, False)])], ids=["vocab8", "vocab7-padded"])
+def test_pytorchs_model_and_plan_equal_one_device_sp_and_overlap_on_and_off(pools, args, cases):
     # every parameter once (the tied head is the embedding's), plus the loss
-    n = len(list(Transformer(ARGS).parameters())) + 1
-    for rank, reports in enumerate(pools(2).run(_on_rank_equal_one_device)):
+    n = len(list(Transformer(args).parameters())) + 1
+    for rank, reports in enumerate(pools(2).run(_on_rank_equal_one_device, args, cases)):
         for case, (ok, n_errors, text) in reports.items():
             assert ok and n_errors == n, f"rank {rank}, {case}:\n{text}"
 

@@ -1,7 +1,10 @@
-"""Vocab-parallel embedding and cross-entropy, and tied embeddings, against plain PyTorch.
+"""Vocab-parallel embedding and cross-entropy, and tied embeddings, against plain PyTorch; a
+vocabulary the TP size does not divide, padded, against one device.
 
 Worker functions (`_on_rank_*`) return error measures; the assertions run here.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,48 +14,70 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tensor_parallel_toy import (ModelConfig, Transformer, VocabParallelEmbedding, guard,
                                  vocab_parallel_cross_entropy)
 from tensor_parallel_toy.comm import gather_from_tensor_parallel_region
+from tensor_parallel_toy.config import padded_vocab_size
+from tensor_parallel_toy.parallel_linear import layout_of, shard
 
-from .helpers import (FP32_TOL, assert_errors, assert_matches_baseline, assert_one_line,
-                      compare_on_world, max_rel_error, value_error_messages, world)
+from .helpers import (CONFIG, FP32_TOL, assert_errors, assert_matches_baseline, assert_one_line,
+                      compare_with_baseline, compare_on_world, max_rel_error, random_batch,
+                      value_error_messages, world)
 
 VOCAB, TOKENS = 24, 20  # 24: divisible by 2, 3 and 4
+# Vocabularies 2, 3 and 4 do not divide, padded: 23 (one to three padding columns on the last
+# rank) and 5 (at p = 4, 8 rows: rank 3 holds padding only).
+ODD_VOCABS = (23, 5)
 
 
-def _logits_and_labels(ignore_index, seed=0):
-    """Full logits `[TOKENS, VOCAB]` and labels that hit every shard's first and last column
+def _logits_and_labels(ignore_index, seed=0, vocab=VOCAB):
+    """Full logits `[TOKENS, vocab]` and labels that hit every shard's first and last column
     and the ignored value."""
     gen = torch.Generator().manual_seed(seed)
-    logits = 4 * torch.randn(TOKENS, VOCAB, generator=gen)
-    labels = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
-    labels[:8] = torch.tensor([0, 5, 6, 7, 11, 12, 18, VOCAB - 1])  # shard edges for p = 2, 3, 4
+    logits = 4 * torch.randn(TOKENS, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (TOKENS,), generator=gen)
+    # shard edges for p = 2, 3, 4 (for 24 and 23)
+    labels[:8] = torch.tensor([0, 5, 6, 7, 11, 12, 18, vocab - 1]) % vocab
     labels[8:12] = ignore_index
     return logits, labels
 
 
+def _padded_columns(vocab, p, r):
+    """Bool per column of rank r's shard of the padded vocabulary: True on the padding."""
+    width = padded_vocab_size(vocab, p) // p
+    return r * width + torch.arange(width) >= vocab
+
+
 def _on_rank_cross_entropy():
-    """Loss and dlogits of every (ignore_index, label_smoothing, reduction) against
-    F.cross_entropy in fp64 on the full logits."""
+    """Loss and dlogits of every (vocabulary, ignore_index, label_smoothing, reduction) against
+    F.cross_entropy in fp64 on the full logits. A padded vocabulary's padding columns hold
+    logits of 1e4 (they would win any softmax they entered), and must get a gradient of exactly
+    0 ("pad nonzero": how many did not)."""
     group, p, r = world()
     errors = {}
-    for ignore_index in (-100, 3):  # 3: a real class, ignored anyway
-        for smoothing in (0.0, 0.1):
-            for reduction in ("mean", "sum", "none"):
-                logits, labels = _logits_and_labels(ignore_index)
-                dloss = torch.randn(TOKENS) if reduction == "none" else torch.tensor(1.7)
-                ref = logits.double().requires_grad_()
-                loss_ref = F.cross_entropy(ref, labels, ignore_index=ignore_index,
-                                           label_smoothing=smoothing, reduction=reduction)
-                loss_ref.backward(dloss.double())
-                local = logits.chunk(p, dim=-1)[r].clone().requires_grad_()
-                loss = vocab_parallel_cross_entropy(local, labels, group,
-                                                    ignore_index=ignore_index,
-                                                    label_smoothing=smoothing,
-                                                    reduction=reduction)
-                loss.backward(dloss)
-                key = f"ignore={ignore_index},smoothing={smoothing},{reduction}"
-                errors[key + ":loss"] = max_rel_error(loss, loss_ref)
-                errors[key + ":dlogits"] = max_rel_error(local.grad,
-                                                         ref.grad.chunk(p, dim=-1)[r])
+    for vocab in (VOCAB, *ODD_VOCABS):
+        # The reductions run after the Function, the same for any vocabulary: once each.
+        reductions = ("mean", "sum", "none") if vocab == VOCAB else ("none",)
+        for ignore_index in (-100, 3):  # 3: a real class, ignored anyway
+            for smoothing in (0.0, 0.1):
+                for reduction in reductions:
+                    logits, labels = _logits_and_labels(ignore_index, vocab=vocab)
+                    dloss = torch.randn(TOKENS) if reduction == "none" else torch.tensor(1.7)
+                    ref = logits.double().requires_grad_()
+                    loss_ref = F.cross_entropy(ref, labels, ignore_index=ignore_index,
+                                               label_smoothing=smoothing, reduction=reduction)
+                    loss_ref.backward(dloss.double())
+                    pad = padded_vocab_size(vocab, p) - vocab
+                    padded = F.pad(logits, (0, pad), value=1e4)
+                    local = padded.chunk(p, dim=-1)[r].clone().requires_grad_()
+                    loss = vocab_parallel_cross_entropy(
+                        local, labels, group, vocab_size=vocab if pad else None,
+                        ignore_index=ignore_index, label_smoothing=smoothing,
+                        reduction=reduction)
+                    loss.backward(dloss)
+                    key = f"vocab={vocab},ignore={ignore_index},smoothing={smoothing},{reduction}"
+                    errors[key + ":loss"] = max_rel_error(loss, loss_ref)
+                    want = F.pad(ref.grad, (0, pad)).chunk(p, dim=-1)[r]
+                    errors[key + ":dlogits"] = max_rel_error(local.grad, want)
+                    pad_grad = local.grad[:, _padded_columns(vocab, p, r)]
+                    errors[key + ":pad nonzero"] = float((pad_grad != 0).sum())
     return errors
 
 
@@ -102,25 +127,30 @@ def _on_rank_largest_tensor_in_model_loss(use_full_logits):
     return mode.largest / ids.numel() / config.vocab_size
 
 
-def _on_rank_embedding():
-    """VocabParallelEmbedding against nn.Embedding (fp64): output rows and weight gradient."""
+def _on_rank_embedding(vocab):
+    """VocabParallelEmbedding against nn.Embedding (fp64): output rows and weight gradient (a
+    padded vocabulary's padding rows: zeros from the layer's own init, gradient exactly 0)."""
     group, p, r = world()
     seq, batch, dim = 12, 2, 6
     gen = torch.Generator().manual_seed(1)
-    table = torch.randn(VOCAB, dim, generator=gen)
-    ids = torch.randint(0, VOCAB, (seq, batch), generator=gen)
-    ids[:8, 0] = torch.tensor([0, 5, 6, 7, 11, 12, 18, VOCAB - 1])  # shard edges
+    table = torch.randn(vocab, dim, generator=gen)
+    ids = torch.randint(0, vocab, (seq, batch), generator=gen)
+    ids[:8, 0] = torch.tensor([0, 5, 6, 7, 11, 12, 18, vocab - 1])  # shard edges
     dy = torch.randn(seq, batch, dim, generator=gen)
     ref = table.double().requires_grad_()
     y_ref = F.embedding(ids, ref)
     y_ref.backward(dy.double())
-    layer = VocabParallelEmbedding(VOCAB, dim, tp_group=group)
+    layer = VocabParallelEmbedding(vocab, dim, tp_group=group)
+    padding = _padded_columns(vocab, p, r)
+    errors = {"pad init nonzero": float((layer.weight[padding] != 0).sum())}
     with torch.no_grad():
-        layer.weight.copy_(table.chunk(p)[r])
+        layer.weight.copy_(shard(table, layout_of(layer, "weight"), group))
     y = layer(ids)  # [s/p, b, h]
     y.backward(dy.chunk(p)[r])
-    return {"y": max_rel_error(y, y_ref.chunk(p)[r]),
-            "dweight": max_rel_error(layer.weight.grad, ref.grad.chunk(p)[r])}
+    want = shard(ref.grad, layout_of(layer, "weight"), group)  # the padding: zeros
+    return {**errors, "y": max_rel_error(y, y_ref.chunk(p)[r]),
+            "dweight": max_rel_error(layer.weight.grad, want),
+            "pad grad nonzero": float((layer.weight.grad[padding] != 0).sum())}
 
 
 def _on_rank_bad_inputs():
@@ -129,8 +159,11 @@ def _on_rank_bad_inputs():
     config = ModelConfig(vocab_size=VOCAB, hidden_size=24, num_layers=1, num_heads=4,
                          ffn_hidden_size=24, max_seq_len=16)
     model = guard(Transformer(config, tp_group=group))
+    padded = guard(Transformer(dataclasses.replace(config, vocab_size=VOCAB - 1), tp_group=group))
     ids = torch.zeros(2, 5, dtype=torch.long)
-    cases = {"label": lambda: model.loss(ids, torch.full_like(ids, VOCAB)),
+    cases = {"padding id": lambda: padded(torch.full_like(ids, VOCAB - 1)),  # a padding row's
+             "padding label": lambda: padded.loss(ids, torch.full_like(ids, VOCAB - 1)),
+             "label": lambda: model.loss(ids, torch.full_like(ids, VOCAB)),
              "token id": lambda: model(torch.full_like(ids, -1)),
              "label_smoothing": lambda: model.loss(ids, ids, label_smoothing=1.5),
              "reduction": lambda: model.loss(ids, ids, reduction="avg"),
@@ -159,9 +192,41 @@ def test_model_loss_never_materializes_full_logits(pools):
     assert min(gathered) >= 1.0, gathered  # the check can fail
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_embedding_equals_nn_embedding(pools, tp):
-    assert_errors(pools(tp).run(_on_rank_embedding), FP32_TOL, f"embedding tp={tp}")
+@pytest.mark.parametrize("tp,vocab", [(2, VOCAB), (4, VOCAB), (2, 23), (3, 23)])
+def test_vocab_parallel_embedding_equals_nn_embedding(pools, tp, vocab):
+    assert_errors(pools(tp).run(_on_rank_embedding, vocab), FP32_TOL,
+                  f"embedding tp={tp} vocab={vocab}")
+
+
+def _on_rank_padded_model(config, options):
+    """compare_with_baseline (logits, loss with label smoothing, every full gradient, the grad
+    norm, the parameters after an SGD step), and this rank's padding rows of the embedding and
+    the head after a backward: zeros, with a gradient of exactly 0 ("pad nonzero": how many
+    not)."""
+    group, p, r = world()
+    errors = compare_with_baseline(config, group, label_smoothing=0.1, steps=1, **options)
+    model = Transformer(config, tp_group=group, **options)
+    model.loss(*random_batch(config, 2, 12, seed=0), label_smoothing=0.1).backward()
+    padding = _padded_columns(config.vocab_size, p, r)
+    for name in ("embed.weight", "head.weight"):
+        weight = model.get_parameter(name)
+        errors[f"{name} pad nonzero"] = float((weight[padding] != 0).sum()
+                                              + (weight.grad[padding] != 0).sum())
+    return errors
+
+
+# 97: 98, 99, 100 rows at TP 2, 3, 4: one to three padding rows on the last rank.
+PADDED = [(2, True, {}), (3, False, {"overlap": True}), (4, False, {"sequence_parallel": False})]
+
+
+@pytest.mark.parametrize("tp,tied,options", PADDED, ids=["tp2-tied", "tp3-overlap",
+                                                         "tp4-classic"])
+def test_a_vocabulary_the_tp_size_does_not_divide_is_padded_and_equals_one_device(pools, tp,
+                                                                                 tied, options):
+    config = dataclasses.replace(CONFIG, vocab_size=97, tie_embeddings=tied, num_layers=1)
+    per_rank = pools(tp).run(_on_rank_padded_model, config, options)
+    worst = assert_matches_baseline(per_rank, config, f"vocab 97 tp={tp} {options}")
+    assert "logits" in worst and "grad:embed.weight" in worst, sorted(worst)
 
 
 @pytest.mark.parametrize("tp,overlap", [(2, False), (4, True)])
@@ -177,7 +242,9 @@ def test_tied_embeddings_one_weight_gets_both_gradients(pools, tp, overlap):
 
 def test_bad_labels_and_ids_raise_one_clear_error_before_any_collective(pools):
     messages = pools(2).run(_on_rank_bad_inputs)[0]
-    expected = {"label": [f"label {VOCAB}", f"0..{VOCAB - 1}", "ignore_index=-100"],
+    expected = {"padding id": [f"token id {VOCAB - 1}", f"0..{VOCAB - 2}"],
+                "padding label": [f"label {VOCAB - 1}", f"0..{VOCAB - 2}"],
+                "label": [f"label {VOCAB}", f"0..{VOCAB - 1}", "ignore_index=-100"],
                 "token id": ["token id -1", f"0..{VOCAB - 1}"],
                 "label_smoothing": ["label_smoothing=1.5"],
                 "reduction": ["reduction='avg'", "'mean'"],
