@@ -27,17 +27,18 @@ Steps, each its own process, in order:
    a post about GPUs would quote.
 
 Each step has a time limit generous enough for two ranks time-slicing one GPU (`--step-timeout`
-overrides it); a step past it is stopped, with every rank it started, and reported as timed out.
-Each step's output goes to the screen and to OUT/<step>.log (the test steps also write
-OUT/<step>.xml, pytest's JUnit report; both, and a profile's results.json, are removed before
-the step starts, so nothing stale is read). Each rank's own stderr (NCCL's warnings, a
-watchdog's last words) goes to OUT/<step>-ranks/rank<r>-of-<n>.log, whatever pytest captures;
-a rank's error quotes its last lines, and a failed step's summary names the folder. The summary, printed last and written to
-OUT/summary.txt, is the block to paste back. Its first line says what passed, what failed and
-where the results are; the failed steps come next, each followed by its failed tests and their
-causes (from the JUnit report: the exception's first line, which for a rank's error carries
-that rank's own), then the rest. A test step in which no test of its backend (`[nccl]`) passed
-has failed, whatever else passed.
+overrides it, for every step or per step); a step past it is stopped, with every rank it
+started, and reported as timed out. Each step's output goes to the screen and to OUT/<step>.log
+(the test steps also write OUT/<step>.xml, pytest's JUnit report; both, and a profile's
+results.json, are removed before the step starts, so nothing stale is read). Each rank's own
+stderr (NCCL's warnings, a watchdog's last words) goes to OUT/<step>-ranks/rank<r>-of-<n>.log,
+whatever pytest captures; a rank that dies is named with its last words (the line that says why)
+and its last lines follow, and a failed step's summary names the folder. The summary, printed
+last and written to OUT/summary.txt, is the block to paste back. Its first line says what
+passed, what failed and where the results are; the failed steps come next, each followed by its
+failed tests and their causes (from the JUnit report: the exception's first line, which for a
+rank's error carries that rank's own), then the rest. A test step in which no test of its
+backend (`[nccl]`) passed has failed, whatever else passed.
 
 Ranks share one GPU with `--share-gpu` or TENSOR_PARALLEL_TOY_SHARE_GPU=1 (the same switch: the
 flag sets the variable for every step). With one GPU one of them is required; two ranks then
@@ -134,7 +135,10 @@ def plan(gpus, share_gpu, out, python=sys.executable, rehearse=False, tests=None
     def test_step(name, selection, extra_env, what):
         selection = f"{backend} and ({tests})" if tests else selection
         report = os.path.join(out, f"{name}.xml")
-        return Step(name, [*package, "test", "-k", selection, f"--junitxml={report}"],
+        # A test that hangs past the pools' own limits still names itself: pytest dumps the
+        # stacks of a test running longer than faulthandler_timeout.
+        return Step(name, [*package, "test", "-k", selection, "-o", "faulthandler_timeout=300",
+                           f"--junitxml={report}"],
                     {**env, **extra_env, **ranks(name)}, what, timeout_s=STEP_TIMEOUT_S[name],
                     report=report, backend=backend)
 
@@ -346,9 +350,13 @@ def _machine(gpus, rehearse):
                 f"CUDA, at full size); torch {torch.__version__}")
     names = sorted({torch.cuda.get_device_name(i) for i in range(gpus)})
     version = nccl_version()
+    try:  # NCCL's shared-memory transport lives there (a container's default is 64 MiB)
+        shm = f", /dev/shm {shutil.disk_usage('/dev/shm').total / 2**30:.1f} GiB"
+    except OSError:
+        shm = ", no /dev/shm"
     return (f"machine: {gpus} x {', '.join(names)}; "
             f"{machine.build_line(torch, machine.driver_version())}, NCCL "
-            f"{'.'.join(map(str, version or ())) or 'none'}")
+            f"{'.'.join(map(str, version or ())) or 'none'}{shm}")
 
 
 def _parser():

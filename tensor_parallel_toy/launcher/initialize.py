@@ -44,9 +44,10 @@ def nccl_rank_capacity(env=os.environ, version=None):
     own switch, `version` >= 2.30, default torch's; per-rank host ids before): the most NCCL
     documents for its switch, and more ranks on one GPU were never run here on either route
     (with the suite's pools of 2, 3 and 4 alive together that would be 9 CUDA contexts). The
-    tests that need more skip, saying so."""
+    tests that need more skip, saying so. With two GPUs or more the switch changes nothing
+    (left set from a one-GPU session, it must not cap an 8-GPU run at 2 ranks)."""
     gpus = gpu_count()
-    if not (gpus and share_gpu_requested(env)):
+    if not (gpus == 1 and share_gpu_requested(env)):
         return gpus
     return MULTI_RANK_GPU_MAX
 

@@ -11,6 +11,7 @@ it.
 """
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -150,7 +151,16 @@ RANK_LOGS_ENV = "TENSOR_PARALLEL_TOY_RANK_LOGS"
 
 
 def rank_log(folder, rank, world_size):
-    return os.path.join(folder, f"rank{rank}-of-{world_size}.log")
+    """A new file for this rank's stderr: rank<r>-of-<n>.log, or -2, -3, ... where an earlier
+    pool of that size (one that failed, say, or another process's) has its own."""
+    for k in range(1, 1000):
+        path = os.path.join(folder, f"rank{rank}-of-{world_size}{f'-{k}' if k > 1 else ''}.log")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free name for rank {rank}'s stderr in {folder}")
 
 
 def _stderr_to(path):
@@ -163,15 +173,30 @@ def _stderr_to(path):
     os.close(fd)
 
 
+# Lines of a native stack trace say where, not why (NCCL's watchdog prints two or three).
+_FRAMES = re.compile(r"^\s*(frame #\d+:|Exception raised from )")
+_CAUSE = re.compile(r"Watchdog caught|what\(\):|NCCL WARN|Error|error")
+
+
 def last_lines(path, most=6):
-    """The last non-empty lines of a rank's stderr file ([] if there is none)."""
+    """The last lines of a rank's stderr file that are neither empty nor stack frames ([] if
+    there is none)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 16)))
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return []
-    return [line.rstrip() for line in text.splitlines() if line.strip()][-most:]
+    return [line.rstrip() for line in text.splitlines()
+            if line.strip() and not _FRAMES.match(line)][-most:]
+
+
+def last_words(path):
+    """The line of a rank's stderr that best says why it ended: the last naming a cause (NCCL's
+    watchdog, a C++ exception's what(), an NCCL warning, an error), else its last line."""
+    lines = last_lines(path, most=200)
+    causes = [line for line in lines if _CAUSE.search(line)]
+    return (causes or lines or [None])[-1]
 
 
 def _remove_if_empty(logs):
@@ -240,8 +265,8 @@ class WorkerPool:
     `high_priority_streams`: see `nccl_options`.
 
     `log_dir` (default: RANK_LOGS_ENV's folder, if set; gpu-check sets it for each step, the
-    suite's pools use a temporary one): each rank's stderr goes to LOG_DIR/rank<r>-of-<n>.log
-    (emptied when the pool starts; removed at the end if the rank said nothing) instead of
+    suite's pools use a temporary one): each rank's stderr goes to a new file,
+    LOG_DIR/rank<r>-of-<n>.log (removed at the end if the rank said nothing), instead of
     the launcher's, and a WorkerError quotes the failed rank's last lines. Without it a forked
     worker writes where the fork server's stderr pointed when the server started: the
     launcher's terminal for a command, but under pytest the capture of the test that started
@@ -258,12 +283,10 @@ class WorkerPool:
         self.backend = choose_backend(world_size, devices[backend])  # checks the GPU count
         self.timeout_s = timeout_s
         log_dir = log_dir or os.environ.get(RANK_LOGS_ENV) or None
-        self.logs = [rank_log(log_dir, r, world_size) if log_dir else None
-                     for r in range(world_size)]
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-            for path in self.logs:
-                open(path, "w").close()
+        self.logs = [rank_log(log_dir, r, world_size) if log_dir else None
+                     for r in range(world_size)]
         # The store lives here, on a port the OS picked (port 0): two pools, or a pool and a
         # torchrun job, can never collide on a port.
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
@@ -350,9 +373,9 @@ class WorkerPool:
         if dead:
             self.close(graceful=False)
             rank, code = dead[0]
-            said = last_lines(self.logs[rank], 1) if self.logs[rank] else []
+            said = last_words(self.logs[rank]) if self.logs[rank] else None
             raise WorkerError(f"rank {rank} died ({exit_meaning(code)})"
-                              + (f"; its last line: {said[0]}" if said else "")
+                              + (f"; its last words: {said}" if said else "")
                               + "; stopped the other ranks" + (f"; {also}" if also else "")
                               + self._output_of([rank]))
 

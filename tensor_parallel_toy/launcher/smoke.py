@@ -59,7 +59,12 @@ def run(device, timeout_s=DEFAULT_TIMEOUT_S):
             formed = time.perf_counter() - start
             devices = pool.run(_on_rank, timeout_s=timeout_s)
     except (WorkerError, ValueError) as e:
-        return False, f"FAILED smoke: {str(e).splitlines()[0]}"
+        # NCCL picks its transport (shared memory, P2P over NVLink or PCIe, NVLS) by itself:
+        # these switch each off in turn to find the one that fails (NCCL's environment docs).
+        hint = ("; to narrow it down, run again with NCCL_DEBUG=INFO, then with one of "
+                "NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1, NCCL_NVLS_ENABLE=0"
+                if backend == "nccl" else "")
+        return False, f"FAILED smoke: {str(e).splitlines()[0]}{hint}"
     return True, (f"smoke: passed: 2 ranks formed a {backend} group in {formed:.1f} s on "
                   f"{', '.join(devices)}; all-reduce, ring step and barrier correct")
 

@@ -155,7 +155,7 @@ def test_a_failing_test_and_a_dying_rank_are_named_with_their_cause_before_what_
     assert ": WorkerError: rank 1 died (exit code -6, SIGABRT: an abort, as NCCL's watchdog" \
         in block[4], block
     # What the rank wrote before it died, whatever pytest captured, and where the rest is.
-    assert (f"watchdog aborts a rank whose collective failed or timed out); its last line: "
+    assert (f"watchdog aborts a rank whose collective failed or timed out); its last words: "
             f"injected by {INJECT_ENV}=abort: a rank's last words; stopped") in block[4], block
     assert block[5].startswith("      | ranks' own stderr: ") and \
         block[5].endswith("sanitizer-ranks/ (rank1-of-2.log)"), block
@@ -304,6 +304,10 @@ def test_two_ranks_per_gpu_through_nccls_switch_and_sockets_pinned_either_way(mo
     share = {SHARE_GPU_ENV: "1"}
     assert initialize.nccl_rank_capacity(share, (2, 30, 4)) == initialize.MULTI_RANK_GPU_MAX == 2
     assert initialize.nccl_rank_capacity(share, (2, 29, 7)) == 2  # the host-id route too
+    # Left set on a machine of 8 GPUs, the switch must not cap it at 2 ranks.
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 8)
+    assert initialize.nccl_rank_capacity(share, (2, 30, 4)) == 8
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 1)
     monkeypatch.setenv(SHARE_GPU_ENV, "1")
     monkeypatch.setattr(initialize, "nccl_version", lambda: (2, 30, 4))
     assert initialize.choose_backend(2, "cuda") == "nccl"

@@ -26,7 +26,10 @@ def _on_rank_fail_while_peers_wait(how):
         time.sleep(0.5)  # let the others enter the all-reduce first
         print("a line through Python", file=sys.stderr, flush=True)
         print("not an error: stdout stays where it was", flush=True)
-        os.write(2, f"last words from native code before: {how}\n".encode())  # as NCCL writes
+        # As NCCL's watchdog writes before it aborts: the cause, then a native stack trace.
+        os.write(2, f"Watchdog caught collective operation timeout, before: {how}\n"
+                    f"Exception raised from run at ProcessGroupNCCL.cpp:1\n"
+                    f"frame #0: c10::Error::Error + 0x1\nframe #1: clone + 0x44\n".encode())
         if how == "raise":
             raise RuntimeError("boom on purpose")
         if how == "abort":  # what NCCL's watchdog does to a rank whose collective failed
@@ -52,13 +55,15 @@ def test_a_failing_rank_stops_all_ranks_and_is_named_with_its_cause_first(how, f
     assert elapsed < STOP_WITHIN_S, f"took {elapsed:.1f} s to notice and stop the ranks"
     message = str(info.value)
     assert message.splitlines()[0].startswith(first_line), message  # pytest's one-line summary
-    # What the rank said last reaches the error, under pytest's capture too: in the first line
-    # when it died (it had no traceback to send), in the last lines either way.
-    said = f"last words from native code before: {how}"
-    assert (said in message.splitlines()[0]) == (how != "raise"), message
+    # What the rank said reaches the error, under pytest's capture too: the line that says why
+    # in the first line when it died (it had no traceback to send), its last lines but the
+    # stack frames after them either way.
+    said = f"Watchdog caught collective operation timeout, before: {how}"
+    assert (f"its last words: {said}" in message.splitlines()[0]) == (how != "raise"), message
     assert message.endswith(f"  a line through Python\n  {said}"), message
     with open(tmp_path / "rank1-of-3.log") as f:
-        assert f.read().endswith(f"{said}\n")
+        assert f.read().endswith(f"{said}\nException raised from run at ProcessGroupNCCL.cpp:1\n"
+                                 f"frame #0: c10::Error::Error + 0x1\nframe #1: clone + 0x44\n")
     for proc in procs:
         proc.join(timeout=5)
     alive = [p.name for p in procs if p.is_alive()]
