@@ -18,6 +18,7 @@ def test_hf_train_reports_every_mode_with_one_devices_loss_and_the_targets(pools
     moves some past them (DTensor); a family hf_plan refuses is skipped in one line; the
     targets are stated; summary.txt is what was printed."""
     import_transformers()
+    from tensor_parallel_toy.profiling.report.hf_train_summary import MODES, SAME_LOSS_RTOL
     from tensor_parallel_toy.profiling.run import hf_train
 
     out = tmp_path / "hf_train"
@@ -33,11 +34,11 @@ def test_hf_train_reports_every_mode_with_one_devices_loss_and_the_targets(pools
             assert family == "olmo2" and "hf_plan refuses it" in entry["skipped"]["family"]
             assert f"{entry['label']} skipped: hf_plan refuses it" in printed, printed
             continue
-        assert list(entry["modes"]) == list(hf_train.MODES), (family, entry["skipped"])
+        assert list(entry["modes"]) == list(MODES), (family, entry["skipped"])
         one = entry["modes"]["one_device"]
         for mode, v in entry["modes"].items():
             assert len(v["loss"]) == 3 and len(v["step_time_s"]) == 2, (family, mode, v)
-            assert v["loss_max_rel_diff_vs_one_device"] <= hf_train.SAME_LOSS_RTOL, (family, mode)
+            assert v["loss_max_rel_diff_vs_one_device"] <= SAME_LOSS_RTOL, (family, mode)
             assert min(v["step_time_s"]) > 0 and v["unknown_collectives"] == [], (family, mode)
             ranks = 1 if mode == "one_device" else 2
             assert len(v["saved_activation_bytes_per_rank"]) == ranks, (family, mode)

@@ -37,21 +37,21 @@ the right side. A family `hf_plan` refuses is skipped with its one-line reason; 
 transformers' TP cannot load a model, one line says so and the rest runs.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...guards.collectives import barrier, reduce_numbers
 from ...launcher.pool import WorkerPool
-from ..measure.metrics import (MiB, SavedActivationBytes, keep_freed_memory, paired_interval,
-                               ratio_interval, summarize)
-from ..measure.transfers import DispatchedCollectives, recording, ring_sent_bytes
+from ..measure.metrics import SavedActivationBytes, keep_freed_memory
+from ..measure.transfers import DispatchedCollectives, recording
+from ..report.hf_train_summary import MODES, report, summarize_runs
 from ..report.output import write_text
 from . import data
 from .train import interleaved_order, make_optimizer
@@ -61,15 +61,9 @@ PROG = "python -m tensor_parallel_toy.profiling.run.hf_train"
 FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM", "Llama-like", {}),
             "phi3": ("Phi3Config", "Phi3ForCausalLM", "Phi-3-like", {"pad_token_id": 0}),
             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", "OLMo 2-like", {"pad_token_id": 0})}
-MODES = ("one_device", "hf_tp", "ours_sp", "ours_no_sp")
-MODE_NAMES = {"one_device": "one device", "hf_tp": "transformers TP", "ours_sp": "ours TP+SP",
-              "ours_no_sp": "ours TP (no SP)"}
 # Issue 50's dims: hidden 256, 4 layers, 8 heads / 4 k/v, batch 4 x 256 tokens, fp32.
 DEFAULTS = dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=1024, vocab=512, batch=4, seq=256,
                 steps=15)
-SAME_LOSS_RTOL = 1e-4
-TARGET_VS_HF = 0.75  # ours_sp / hf_tp step, on the families whose plans gather
-GATHERING = ("phi3", "olmo2")  # the families whose transformers plan gathers inside a block
 
 
 def hf_config(family, dims):
@@ -155,27 +149,39 @@ class _Counted:
         return post()
 
 
-def train_step(model, optimizer, ids, measured=None):
-    """One step: the model's own loss, backward, AdamW, zero_grad; returns the loss. With
-    `measured` (a dict), the step is watched and what was seen is put in it."""
-    if measured is None:
+class Watch(contextlib.ExitStack):
+    """`with Watch(model) as w:` around a step, then `w.seen()`: the activations saved for
+    backward, and the bytes this rank put into collectives, counted at the dispatcher and at
+    torch.distributed's entry points (see the module docstring)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def __enter__(self):
+        super().__enter__()
+        self.entry_points = self.enter_context(recording(_Counted()))
+        self.dispatched = self.enter_context(DispatchedCollectives())
+        self.saved = self.enter_context(SavedActivationBytes(self.model))
+        return self
+
+    def seen(self):
+        d = self.dispatched
+        return {"saved_activation_bytes": self.saved.bytes, "bytes": sum(d.bytes.values()),
+                "bytes_by_kind": dict(d.bytes), "calls_by_kind": dict(d.calls),
+                "unknown_collectives": sorted(d.unknown),
+                "entry_point_bytes": self.entry_points.bytes,
+                "entry_point_calls": self.entry_points.calls}
+
+
+def train_step(model, optimizer, ids, watch=None):
+    """One step: the model's own loss, backward, AdamW, zero_grad; returns the loss. `watch`,
+    if given, is entered around the forward, the backward and the optimizer's step (one that
+    communicated would be counted)."""
+    with watch or contextlib.nullcontext():
         loss = model(ids, labels=ids).loss
         loss.backward()
-    else:
-        entry_points, dispatched = _Counted(), DispatchedCollectives()
-        with recording(entry_points), dispatched:
-            with SavedActivationBytes(model) as saved:  # over the forward
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()  # inside: an optimizer that communicated would be counted
-        optimizer.zero_grad(set_to_none=True)
-        measured.update(saved_activation_bytes=saved.bytes, bytes=sum(dispatched.bytes.values()),
-                        bytes_by_kind=dict(dispatched.bytes), calls_by_kind=dict(dispatched.calls),
-                        unknown_collectives=sorted(dispatched.unknown),
-                        entry_point_bytes=entry_points.bytes, entry_point_calls=entry_points.calls)
-        optimizer.schedule.step()
-        return loss.item()
-    optimizer.step()
+        optimizer.step()
     optimizer.schedule.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
@@ -226,11 +232,13 @@ def _train_all(families, dims, steps, lr, seed, folder, group, rank):
                 if not alone:
                     barrier(group)
                 start = time.perf_counter()
-                loss = train_step(model, optimizer, ids, out[pair]["measured"] if step == 0
-                                  else None)
+                watch = Watch(model) if step == 0 else None
+                loss = train_step(model, optimizer, ids, watch)
                 seconds = time.perf_counter() - start
             finally:
                 torch.set_num_threads(threads)
+            if watch is not None:
+                out[pair]["measured"] = watch.seen()
             out[pair]["loss"].append(loss)
             out[pair]["step_time_s"].append(seconds)
     # The slowest rank's time: a TP step is done when every rank is.
@@ -240,159 +248,6 @@ def _train_all(families, dims, steps, lr, seed, folder, group, rank):
         out[pair]["step_time_s"] = slowest[i * (steps + 1) + 1:(i + 1) * (steps + 1)]
     return {"rank": rank, "threads": threads, "one_device_threads": one_device_threads,
             "skipped": skipped, "runs": {f"{f}/{m}": v for (f, m), v in out.items()}}
-
-
-def _interval_text(r):
-    return f"{r['ratio']:.2f} [{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}]"
-
-
-def summarize_runs(per_rank, families, dims, steps):
-    """hf_train.json's content from every rank's results."""
-    first = per_rank[0]
-    results = {"tp": len(per_rank), "dims": dims, "dtype": "fp32", "timed_steps": steps,
-               "warmup_steps": 1, "threads_per_rank": first["threads"],
-               "one_device_threads": first["one_device_threads"], "torch": torch.__version__,
-               "same_loss_rtol": SAME_LOSS_RTOL, "families": {}, "targets": []}
-    try:
-        import transformers
-        results["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    for family in families:
-        skipped = first["skipped"][family]
-        entry = {"label": FAMILIES[family][2], "skipped": skipped, "modes": {}, "ratios": {}}
-        results["families"][family] = entry
-        if "family" in skipped:
-            continue
-        one = first["runs"][f"{family}/one_device"]
-        for mode in MODES:
-            key = f"{family}/{mode}"
-            if key not in first["runs"]:
-                continue
-            ranks = [r["runs"][key] for r in per_rank if mode != "one_device" or r["rank"] == 0]
-            m = [r["measured"] for r in ranks]
-            diffs = [max(abs(a - b) / abs(b) for a, b in zip(r["loss"], one["loss"]))
-                     for r in ranks]
-            entry["modes"][mode] = {
-                "step_time_s": ranks[0]["step_time_s"],
-                "step_time": summarize(ranks[0]["step_time_s"]), "loss": ranks[0]["loss"],
-                "loss_max_rel_diff_vs_one_device": max(diffs),
-                "saved_activation_bytes_per_rank": [x["saved_activation_bytes"] for x in m],
-                "bytes_per_step_per_rank": [x["bytes"] for x in m],
-                "ring_sent_bytes_per_step_per_rank": [ring_sent_bytes(x["bytes_by_kind"],
-                                                                      len(per_rank)) for x in m],
-                "bytes_by_kind_rank0": m[0]["bytes_by_kind"],
-                "calls_by_kind_rank0": m[0]["calls_by_kind"],
-                "entry_point_bytes_per_rank": [x["entry_point_bytes"] for x in m],
-                "unknown_collectives": sorted({u for x in m for u in x["unknown_collectives"]})}
-        times = {mode: v["step_time_s"] for mode, v in entry["modes"].items()}
-        for mode in times:
-            if mode != "one_device":
-                entry["ratios"][f"{mode}/one_device"] = ratio_interval(times[mode],
-                                                                       times["one_device"])
-        if "hf_tp" in times:
-            for mode in ("ours_sp", "ours_no_sp"):
-                entry["ratios"][f"{mode}/hf_tp"] = ratio_interval(times[mode], times["hf_tp"])
-    results["losses_agree"] = all(
-        v["loss_max_rel_diff_vs_one_device"] <= SAME_LOSS_RTOL
-        for e in results["families"].values() for v in e["modes"].values())
-    results["targets"] = targets(results)
-    return results
-
-
-def _relative(a, b, c, d):
-    """(median a / median b) / (median c / median d), along the last axis."""
-    return (np.median(a, axis=-1) / np.median(b, axis=-1)) / (np.median(c, axis=-1)
-                                                              / np.median(d, axis=-1))
-
-
-def targets(results):
-    """Issue 50's targets, each met only when its whole 95 % interval is on the right side."""
-    fams, out = results["families"], []
-    llama = fams.get("llama", {}).get("modes", {})
-    for family in GATHERING:
-        entry = fams.get(family)
-        if entry is None:
-            continue
-        name = f"ours TP+SP <= {TARGET_VS_HF} x transformers' TP step on the {entry['label']} model"
-        ratio = entry["ratios"].get("ours_sp/hf_tp")
-        out.append(_verdict(name, ratio, TARGET_VS_HF, entry))
-        name = (f"ours TP+SP against one device on the {entry['label']} model no worse than on "
-                f"the Llama-like one (the ratio of the two ratios <= 1)")
-        modes = entry["modes"]
-        ratio = None
-        if {"ours_sp", "one_device"} <= set(modes) and {"ours_sp", "one_device"} <= set(llama):
-            ratio = paired_interval(_relative, [modes["ours_sp"]["step_time_s"],
-                                                modes["one_device"]["step_time_s"],
-                                                llama["ours_sp"]["step_time_s"],
-                                                llama["one_device"]["step_time_s"]])
-        out.append(_verdict(name, ratio, 1.0, entry))
-    return out
-
-
-def _verdict(name, ratio, limit, entry):
-    if ratio is None:
-        why = ("the model was skipped (above)" if "family" in entry["skipped"] else
-               next(iter(entry["skipped"].values()), "the modes it compares did not run"))
-        return {"target": name, "limit": limit, "met": None, "why": why}
-    return {"target": name, "limit": limit, "ratio": ratio, "met": ratio["ci95"][1] <= limit}
-
-
-def report(results):
-    """The summary table and the verdicts, as printed and saved."""
-    d, p = results["dims"], results["tp"]
-    lines = [f"hf_train: Hugging Face decoders trained by their own TP plan, TP {p} on CPU/gloo; "
-             f"hidden {d['hidden']}, {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} "
-             f"k/v), MLP {d['ffn']}, vocab {d['vocab']}, batch {d['batch']} x {d['seq']} tokens, "
-             f"fp32; {results['timed_steps']} timed steps after 1 warm-up, interleaved; "
-             f"{results['threads_per_rank']} thread(s) per rank, one device "
-             f"{results['one_device_threads']}",
-             f"  {'model':<12} {'mode':<16} {'step ms':>8} {'/ one device [95%]':>19} "
-             f"{'/ transformers TP':>18} {'act MiB/rank':>12} {'MiB sent/step/rank':>18} "
-             f"{'loss rel diff':>13}"]
-    notes = []
-    for family, entry in results["families"].items():
-        if "family" in entry["skipped"]:
-            notes.append(f"  {entry['label']} skipped: {entry['skipped']['family']}")
-            continue
-        for mode, v in entry["modes"].items():
-            vs_one = entry["ratios"].get(f"{mode}/one_device")
-            vs_hf = entry["ratios"].get(f"{mode}/hf_tp")
-            lines.append(
-                f"  {entry['label']:<12} {MODE_NAMES[mode]:<16} "
-                f"{v['step_time']['median'] * 1e3:>8.1f} "
-                f"{_interval_text(vs_one) if vs_one else '1':>19} "
-                f"{_interval_text(vs_hf) if vs_hf else '-':>18} "
-                f"{max(v['saved_activation_bytes_per_rank']) / MiB:>12.1f} "
-                f"{max(v['ring_sent_bytes_per_step_per_rank']) / MiB:>18.2f} "
-                f"{v['loss_max_rel_diff_vs_one_device']:>13.1e}")
-            if v["unknown_collectives"]:
-                notes.append(f"  {entry['label']} {MODE_NAMES[mode]}: collectives not counted: "
-                             f"{', '.join(v['unknown_collectives'])}")
-        for mode, why in entry["skipped"].items():
-            notes.append(f"  {entry['label']}: {MODE_NAMES.get(mode, mode)} not run: {why}")
-        hf = entry["modes"].get("hf_tp")
-        if hf:
-            seen, total = max(hf["entry_point_bytes_per_rank"]), max(hf["bytes_per_step_per_rank"])
-            notes.append(f"  {entry['label']}: of the {total / MiB:.2f} MiB per step transformers' "
-                         f"TP puts into collectives, torch.distributed's entry points see "
-                         f"{seen / MiB:.2f} MiB (the rest goes through DTensor's functional "
-                         f"collectives)")
-    lines += notes
-    lines.append("  sent: the bytes a rank sends in one step if a ring carries each collective, "
-                 "counted at PyTorch's dispatcher; act: tensors saved for backward over one "
-                 "forward")
-    for t in results["targets"]:
-        if t["met"] is None:
-            lines.append(f"  target not measured: {t['target']}: {t['why']}")
-        else:
-            lines.append(f"  target {'met' if t['met'] else 'MISSED'}: {t['target']}: "
-                         f"{_interval_text(t['ratio'])}")
-    worst = max((v["loss_max_rel_diff_vs_one_device"] for e in results["families"].values()
-                 for v in e["modes"].values()), default=0.0)
-    lines.append(f"  losses: every mode within {SAME_LOSS_RTOL:g} relative of one device's at "
-                 f"every step: {'yes' if results['losses_agree'] else 'NO'} (largest {worst:.1e})")
-    return "\n".join(lines)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -442,7 +297,7 @@ def main(argv=None, pool=None):
     finally:
         if owned:
             pool.close()
-    results = summarize_runs(per_rank, families, dims, args.steps)
+    results = summarize_runs(per_rank, {f: FAMILIES[f][2] for f in families}, dims, args.steps)
     results["command"] = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
     text = report(results)
     os.makedirs(args.out, exist_ok=True)
