@@ -178,15 +178,29 @@ def ratio_interval(numerator, denominator, resamples=2000, seed=0):
     "An Introduction to the Bootstrap", 1993, ch. 13), seeded: the same timings always give the
     same interval.
     """
-    a, b = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"need two paired lists of at least 2 timings, got {len(a)} and "
-                         f"{len(b)}")
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return {"ratio": float(np.median(a) / np.median(b)), "ci95": [float(low), float(high)],
-            "n": len(a), "resamples": resamples}
+    return paired_interval(_median_ratio, [numerator, denominator], resamples, seed)
+
+
+def _median_ratio(a, b):
+    return np.median(a, axis=-1) / np.median(b, axis=-1)
+
+
+def paired_interval(statistic, lists, resamples=2000, seed=0):
+    """`statistic(*lists)` and its bootstrap 95 % interval, as `ratio_interval` (which is this
+    with the ratio of medians): element i of every list was measured in the same interleaved
+    step, and a resample draws step indices for all of them at once. `statistic` takes arrays
+    whose last axis is the steps (`np.median(a, axis=-1)`, ...)."""
+    arrays = [np.asarray(values, dtype=float) for values in lists]
+    lengths = {len(a) for a in arrays}
+    if len(lengths) != 1 or min(lengths) < 2:
+        raise ValueError(f"need paired lists of at least 2 timings each, got lengths "
+                         f"{', '.join(str(len(a)) for a in arrays)}")
+    n = lengths.pop()
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    values = statistic(*(a[idx] for a in arrays))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return {"ratio": float(statistic(*arrays)), "ci95": [float(low), float(high)], "n": n,
+            "resamples": resamples}
 
 
 def keep_freed_memory():
