@@ -424,6 +424,6 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     return attach_guards(module, tp_group, options)
 
 
-__all__ = ["ColwiseParallel", "NoParallel", "NormOverSplit", "PrepareModuleInput", "PrepareModuleOutput",
-           "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
+__all__ = ["ColwiseParallel", "NoParallel", "NormOverSplit", "PrepareModuleInput",
+           "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
            "matching_modules", "parallelize_module", "resolve_plan"]
