@@ -8,7 +8,9 @@ raises one line for the first problem.
 """
 import torch.nn as nn
 
-from .styles import ColwiseParallel, NoParallel, RowwiseParallel, SequenceParallel
+from .styles import ColwiseParallel, NoParallel, NormOverSplit, RowwiseParallel, SequenceParallel
+
+SPLITTING = (ColwiseParallel, RowwiseParallel, NormOverSplit)  # the styles that split weights
 
 
 def _check_covered(module, matched):
@@ -16,7 +18,7 @@ def _check_covered(module, matched):
     whole = [name for name, (_, style) in matched.items()
              if isinstance(style, (SequenceParallel, NoParallel))]
     split = [name for name, (_, style) in matched.items()
-             if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+             if isinstance(style, SPLITTING)]
     own_only = set()  # NoParallel beside split layers: it keeps whole its own parameters only
     for w in whole:
         inner = [n for n in split if w == "" or n.startswith(w + ".")]
@@ -31,7 +33,7 @@ def _check_covered(module, matched):
         if not own:
             continue
         style = matched.get(name, (None, None))[1]
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if isinstance(style, SPLITTING):
             continue
         if any(name == w or (w not in own_only and (w == "" or name.startswith(w + ".")))
                for w in whole):
@@ -58,7 +60,7 @@ def _check_ties(module, matched):
     """A weight tied to one the plan splits must be split the same way (then it is the same
     Parameter again, `_copy_shards`); the full weight left behind names its split twin."""
     for name, mod in module.named_modules():
-        if isinstance(matched.get(name, (None, None))[1], (ColwiseParallel, RowwiseParallel)):
+        if isinstance(matched.get(name, (None, None))[1], SPLITTING):
             continue
         for pname, param in mod.named_parameters(recurse=False):
             twin = getattr(param, "split_into", None)

@@ -16,6 +16,9 @@ sequence) come first, before any collective.
 Each is the kernel's layer with its `sequence_parallel` switch set by the style's layout: the
 GEMMs, collectives and lookups are the kernel's, none written here.
     SequenceParallelDropout   one device's mask, this rank's slice of it
+    PlannedNormOverSplit      an RMSNorm over features split over the ranks (a column layer's
+                      output: OLMo 2's q/k norm over every head), its weight split alike, its
+                      sum of squares all-reduced (`sum_over_split_features`, its own conjugate)
 The TP region (a split column output until the row layer) draws from this rank's own random
 stream (random.py): the column layer enters it, the row layer leaves it.
     gather_sequence / split_sequence   Shard(d) <-> Replicate(), each the other's conjugate
@@ -27,9 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from ..comm import all_gather_seq, gather_from_tensor_parallel_region, group_rank, group_size
+from ..comm import (all_gather_seq, all_reduce_, gather_from_tensor_parallel_region, group_rank,
+                    group_size)
 from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
-                               full_shape, layout_of, row_parallel_linear)
+                               full_shape, layout_of, row_parallel_linear, set_layout)
 from ..vocab_parallel import VocabParallelEmbedding
 
 
@@ -233,6 +237,103 @@ class SequenceParallelDropout(nn.Module):
         return f"p={self.p}, sequence_dim={self.dim}"
 
 
+class _SumOverSplitFeatures(torch.autograd.Function):
+    """forward: all-reduce (sum); backward: all-reduce (sum). Its own conjugate.
+
+    A statistic of features split over the ranks: each rank's partial sum `[..., 1]` (over its
+    n/p features) becomes the whole sum S `[..., 1]` on every rank. Unlike `g` (all-reduce,
+    backward identity), what follows is not the same computation on every rank: rank q uses S
+    on its own n/p features, so the loss depends on S through every rank's slice, and each
+    rank's backward holds only its slice's part, dL_q/dS. Every partial sum s_r enters S with
+    weight 1, so dL/ds_r = dL/dS = sum_q dL_q/dS: an all-reduce again. In matrix terms the
+    forward is the p x p matrix of ones (sum, and give everyone the sum), its own transpose.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce_(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.clone(), ctx.group), None
+
+
+def sum_over_split_features(x, group):
+    """A per-rank partial sum `[..., 1]` -> the sum over the group on every rank; backward the
+    same (see _SumOverSplitFeatures)."""
+    if group_size(group) == 1:
+        return x
+    return _SumOverSplitFeatures.apply(x, group)
+
+
+def rms_norm_eps(norm, where):
+    """The eps of `norm` if it computes `weight * x * rsqrt(mean(x^2, -1) + eps)` with one 1-D
+    `weight` and nothing else (nn.RMSNorm, transformers' plain RMSNorms), checked on a random
+    input: a norm that centres (LayerNorm) or scales by 1 + weight (Gemma's) would be replaced
+    by another function. One line otherwise."""
+    params = dict(norm.named_parameters(recurse=False))
+    weight = params.get("weight")
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if len(params) != 1 or weight is None or weight.dim() != 1 or eps is None:
+        raise ValueError(f"{where}: {type(norm).__name__} with parameters "
+                         f"{ {n: list(t.shape) for n, t in params.items()} } and eps={eps!r}: "
+                         f"valid is an RMSNorm with one 1-D weight and an eps (variance_epsilon)")
+    with torch.no_grad():
+        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0))
+        x = x.to(weight.device, weight.dtype)
+        want = weight.float() * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
+                                                        + eps)
+        got = norm(x).float()
+    if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item()):
+        raise ValueError(f"{where}: {type(norm).__name__}'s forward is not weight * x / "
+                         f"rms(x) over its last dim (it differs by "
+                         f"{(got - want).abs().max().item():.3g} on a random input); only a "
+                         f"plain RMSNorm is split over its features")
+    return float(eps)
+
+
+class PlannedNormOverSplit(nn.Module):
+    """An RMSNorm over n features split over the ranks as a column layer's output (OLMo 2's
+    q_norm over every head, after q_proj split by heads): x `[..., n/p]` this rank's features,
+    weight `[n/p]` this rank's slice of the norm's (split, not replicated), out `[..., n/p]`.
+
+        ss_r = sum_j x_rj^2                         [..., 1], this rank's features
+        S    = sum_r ss_r                           one all-reduce of [..., 1] floats
+        u_r  = x_r * rsqrt(S / n + eps)             this rank's features, normalised
+        y_r  = w_r * u_r
+
+    Backward, g_r = dL/dy_r: dL/dw_r = sum over rows of g_r * u_r, whole on this rank (no other
+    rank uses w_r: nothing to sum). With a = rsqrt(S / n + eps), dL/dS = -(a^3 / 2n) times the
+    sum over ALL n features of w * g * x: every rank's partial sum, so the statistic's
+    gradient is all-reduced (sum_over_split_features's backward), and dL/dx_r = a * w_r * g_r
+    + 2 x_r dL/dS. Two all-reduces of `[..., 1]` a step, where transformers' plan gathers the
+    `[..., n]` projection on every rank. Computed in fp32 and cast back to the input's dtype,
+    as transformers' RMSNorm is.
+    """
+
+    def __init__(self, norm, tp_group, eps, where):
+        super().__init__()
+        p = group_size(tp_group)
+        self.tp_group, self.eps, self.where = tp_group, eps, where
+        self.full_features = norm.weight.shape[0]  # n: the mean is over all of them
+        self.weight = nn.Parameter(norm.weight.new_empty(self.full_features // p))
+        set_layout(self, "weight", dim=0, init_std=None)  # rows r*n/p:(r+1)*n/p on rank r
+
+    def forward(self, x):
+        if x.shape[-1] != self.weight.shape[0]:  # before the collective
+            raise ValueError(f"{self.where}: input of shape {list(x.shape)}: valid is this "
+                             f"rank's {self.weight.shape[0]} of the norm's {self.full_features} "
+                             f"features, a column layer's output")
+        dtype, x = x.dtype, x.float()
+        sum_sq = sum_over_split_features(x.pow(2).sum(-1, keepdim=True), self.tp_group)
+        x = x * torch.rsqrt(sum_sq / self.full_features + self.eps)
+        return (self.weight * x).to(dtype)
+
+    def extra_repr(self):
+        return f"features {self.weight.shape[0]} of {self.full_features}, eps={self.eps}"
+
+
 class _GatherSequence(torch.autograd.Function):
     """forward: all-gather along the sequence dim `dim` ([.., s/p, ..] -> [.., s, ..] on every
     rank); backward: this rank's slice of the gradient. Conjugate of _SplitSequence.
@@ -294,5 +395,6 @@ def redistribute(x, have, want, group, where):
     return split_sequence(x, want.dim, group)
 
 __all__ = ["PlannedColumn", "PlannedConvColumn", "PlannedConvRow", "PlannedEmbedding",
-           "PlannedRow", "SequenceParallelDropout", "gather_sequence", "redistribute",
-           "split_sequence", "to_sequence_first"]
+           "PlannedNormOverSplit", "PlannedRow", "SequenceParallelDropout", "gather_sequence",
+           "redistribute", "rms_norm_eps", "split_sequence", "sum_over_split_features",
+           "to_sequence_first"]

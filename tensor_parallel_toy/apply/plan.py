@@ -60,6 +60,9 @@ What each style does here, p = TP size:
                       graph: each forward runs with them through `f` (sequence_parallel.py),
                       as model.py's norms run theirs, so fully_shard and DDP keep the sum. An
                       nn.Dropout draws one device's whole mask and keeps this rank's slice.
+    NormOverSplit     an RMSNorm over a column layer's split output (OLMo 2's q/k norm over
+                      every head) -> PlannedNormOverSplit: weight split as the column's rows,
+                      the sum of squares all-reduced ([..., 1]; backward: all-reduced again).
     NoParallel        parameters replicated on every rank and used on the same data (nothing
                       to sum); it only marks them as planned (torchtitan's name). On a
                       module that holds split layers too, it covers its own parameters only.
@@ -118,11 +121,11 @@ from ..guards.agreement import check_ranks_agree, module_fingerprint
 from ..guards.guard import attach_guards, guard_options
 from ..parallel_linear import layout_of, shard
 from .layers import (PlannedColumn, PlannedConvColumn, PlannedConvRow, PlannedEmbedding,
-                     PlannedRow, SequenceParallelDropout)
+                     PlannedNormOverSplit, PlannedRow, SequenceParallelDropout, rms_norm_eps)
 from .coverage import check_at_first_forward, check_plan_coverage
 from .sequence_parallel import sum_gradients_in_graph
 from .random import attach_random_stream
-from .styles import (ColwiseParallel, NoParallel, PrepareModuleInput,
+from .styles import (ColwiseParallel, NoParallel, NormOverSplit, PrepareModuleInput,
                      PrepareModuleOutput, column_rows, RowwiseParallel, SequenceParallel, is_style,
                      layout_or, layout_pairs, prepare_hook, sequence_dim, translate_style)
 
@@ -250,6 +253,9 @@ def _check_style(name, module, style, p):
             raise ValueError(f"{where}: {type(module).__name__} cannot be split by rows here; "
                              f"RowwiseParallel takes an nn.Linear, a 1x1 nn.Conv2d or an "
                              f"nn.Embedding")
+    elif isinstance(style, NormOverSplit):
+        rms_norm_eps(module, where)
+        check_divisible(f"{where}: the norm's features", module.weight.shape[0], p)
     elif isinstance(style, PrepareModuleOutput):
         layout_pairs(style.output_layouts, style.desired_output_layouts, where)
     elif isinstance(style, PrepareModuleInput):
@@ -321,6 +327,8 @@ def _replacement(name, mod, style, group, overlap):
         if isinstance(mod, nn.Conv2d):
             return PlannedConvRow(mod, group, where)
         return PlannedRow(mod, group, overlap, out, where)
+    if isinstance(style, NormOverSplit):
+        return PlannedNormOverSplit(mod, group, rms_norm_eps(mod, where), where)
     if isinstance(style, PrepareModuleInput):
         mod.register_forward_pre_hook(prepare_hook(style, group, where), with_kwargs=True)
     if isinstance(style, PrepareModuleOutput):
@@ -410,7 +418,7 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     for name, (mod, style) in matched.items():
         new = _replacement(name, mod, style, tp_group, overlap)
         if new is not mod:
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            if isinstance(style, (ColwiseParallel, RowwiseParallel, NormOverSplit)):
                 _copy_shards(mod, new, tp_group)
             new.train(mod.training)
             if name:
@@ -424,6 +432,6 @@ def parallelize_module(module, tp_group, plan, *, overlap=False, check_ids=None,
     return attach_guards(module, tp_group, options)
 
 
-__all__ = ["ColwiseParallel", "NoParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
+__all__ = ["ColwiseParallel", "NoParallel", "NormOverSplit", "PrepareModuleInput",
+           "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "check_plan_coverage",
            "matching_modules", "parallelize_module", "resolve_plan"]

@@ -45,6 +45,14 @@ class SequenceParallel:
 
 
 @dataclass(frozen=True)
+class NormOverSplit:
+    """An RMSNorm over features split over the ranks as a ColwiseParallel's output (one block
+    of features per rank: OLMo 2's q_norm over every head, after q_proj split by heads): its
+    weight split the same way, its sum of squares all-reduced (PlannedNormOverSplit). Not one
+    of PyTorch's: its plans gather the projection instead."""
+
+
+@dataclass(frozen=True)
 class NoParallel:
     """A module whose parameters every rank holds whole and uses on the same data."""
 
@@ -67,8 +75,8 @@ class PrepareModuleOutput:
     use_local_output: bool = True
 
 
-STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel, PrepareModuleInput,
-          PrepareModuleOutput)
+STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, NormOverSplit, NoParallel,
+          PrepareModuleInput, PrepareModuleOutput)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,9 +187,14 @@ def torch_plan(plan):
     ColwiseParallel with one splits the rows contiguously there, which equals ours only on a
     weight whose rows were laid out rank by rank first (`rank_major_rows`). SequenceParallel
     returns a local tensor there too (use_local_output=True), as ours does; NoParallel entries
-    are left out (PyTorch keeps such a module as it is)."""
+    are left out (PyTorch keeps such a module as it is). NormOverSplit has no PyTorch class:
+    refused in one line."""
     out = {}
     for key, style in plan.items():
+        if isinstance(style, NormOverSplit):
+            raise ValueError(f"plan[{key!r}] is NormOverSplit(), which PyTorch's styles cannot "
+                             f"say (its plans gather the projection before such a norm); "
+                             f"torch_plan takes the styles PyTorch has")
         if isinstance(style, ColwiseParallel):
             out[key] = torch_tp.ColwiseParallel(input_layouts=style.input_layouts,
                                           output_layouts=style.output_layouts,

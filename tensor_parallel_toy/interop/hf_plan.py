@@ -30,10 +30,17 @@ The strings of dense decoders, and what each becomes (s: sequence_parallel=True)
                                     rank's q, k and v heads side by side (needs tp_size, and
                                     each such attention gets a config with this rank's counts)
       its rowwise_split_input       RowwiseParallel(output Shard(1) if s else Replicate())
+    colwise_gather_output on the projections of a module holding a norm over one's whole output
+    (OLMo 2's and OLMo 3's q/k/v: q_norm and k_norm span every head at once, which is why
+    transformers gathers), with their rowwise_split_input partner: split by heads instead
+      q_proj, k_proj, v_proj        ColwiseParallel(): this rank's heads, as `colwise`
+      q_norm, k_norm (not in the    NormOverSplit(): the norm's weight split as its projection's
+      model's plan)                 rows, its sum of squares all-reduced ([b, s, 1] floats) so
+                                    each rank normalises its heads by the statistic of all;
+                                    attention then runs on this rank's heads only
+      o_proj (rowwise_split_input)  RowwiseParallel(output Shard(1) if s else Replicate())
     colwise_gather_output / rowwise_split_input on any other layer inside a block: refused
-                                    (OLMo 2's q/k/v, gathered for its q/k norm over all heads:
-                                    split, that norm would need its sum of squares all-reduced
-                                    and its weight split, a style the plan door has not yet)
+    `hf_plan_upgrades(model, plan)` lists the entries so upgraded, beside transformers' strings.
 
 Refused in one line naming the entry and what is valid: the MoE strings (grouped_gemm,
 ep_dispatch_experts, moe_tp_experts, moe_identity_expert, packed_colwise, packed_rowwise,
@@ -72,8 +79,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ..apply.plan import matching_modules
-from ..apply.styles import (ColwiseParallel, NoParallel, PrepareModuleInput, RowwiseParallel,
-                            SequenceParallel)
+from ..apply.styles import (ColwiseParallel, NoParallel, NormOverSplit, PrepareModuleInput,
+                            RowwiseParallel, SequenceParallel)
 
 SEQUENCE = Shard(1)  # transformers' activations are batch-first, [b, s, h]
 
@@ -128,6 +135,25 @@ def _fused_qkv(model, key, tp_size):
 FUSED = {"gate_up_proj": _gate_up, "qkv_proj": _fused_qkv}
 
 
+def _norms_over_whole_outputs(model, parent_key, projections):
+    """{key: NormOverSplit()} for each norm inside the modules `parent_key` names whose 1-D
+    weight is as wide as the whole output of one of `projections` (their names in the module):
+    OLMo 2's q_norm over q_proj's every head, k_norm over k_proj's. Which projection feeds a
+    norm is not visible from the model; one fed anything narrower or wider than the split
+    output raises on its first input (PlannedNormOverSplit checks the width before its
+    collective)."""
+    found = {}
+    for _, parent in matching_modules(model, parent_key):
+        widths = {getattr(parent, name).out_features for name in projections
+                  if isinstance(getattr(parent, name, None), nn.Linear)}
+        for name, module in parent.named_modules():
+            weight = getattr(module, "weight", None)
+            if name and _is_norm(module) and isinstance(weight, nn.Parameter) and \
+                    weight.dim() == 1 and weight.numel() in widths:
+                found[f"{parent_key}.{name}"] = NormOverSplit()
+    return found
+
+
 def _is_norm(module):
     """A module that normalises each row of its input with a whole weight (by its kind)."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
@@ -160,6 +186,18 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
     fused = {key: FUSED[key.rpartition(".")[2]] for key, string in strings.items()
              if string == "colwise_gather_output" and key.startswith(layers + ".")
              and key.rpartition(".")[2] in FUSED}
+    gathered = {}  # a module inside the blocks -> its other gathered projections' names
+    for key, string in strings.items():
+        if string == "colwise_gather_output" and key.startswith(layers + ".") and \
+                key not in fused:
+            parent, _, name = key.rpartition(".")
+            gathered.setdefault(parent, []).append(name)
+    norms = {}  # the norms over a whole gathered output, split with it (OLMo 2's q/k norm)
+    for parent, names in gathered.items():
+        norms.update({k: v for k, v in _norms_over_whole_outputs(model, parent, names).items()
+                      if k not in strings})
+    by_heads = {parent for parent in gathered if any(k.startswith(parent + ".") for k in norms)}
+    split_parents = {k.rpartition(".")[0] for k in fused} | by_heads
     for key, string in strings.items():
         if string in MOE_STRINGS:
             _refuse(key, string, "is a mixture-of-experts style, which this package does not "
@@ -169,7 +207,7 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
         if not matching_modules(model, key):
             _refuse(key, string, f"names no module of {type(model).__name__} (a parameter's "
                                  f"entry is an MoE or quantization style)")
-        in_block = key.startswith(layers + ".")
+        in_block, parent = key.startswith(layers + "."), key.rpartition(".")[0]
         if string == "embedding_rowwise":
             plan[key] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif string == "colwise":
@@ -177,14 +215,16 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
                 _refuse(key, string, "outside the decoder layers leaves its output split for "
                                      "code hf_plan cannot see")
             plan[key] = ColwiseParallel()
-            gathered_parents.add(key.rpartition(".")[0])
+            gathered_parents.add(parent)
         elif string == "rowwise":
             plan[key] = RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else None)
         elif key in fused:  # split by its own layout: this rank's heads / features only
             plan[key] = fused[key](model, key, tp_size)
-            gathered_parents.add(key.rpartition(".")[0])
-        elif string == "rowwise_split_input" and any(
-                k.rpartition(".")[0] == key.rpartition(".")[0] for k in fused):
+            gathered_parents.add(parent)
+        elif string == "colwise_gather_output" and parent in by_heads:  # its norm: NormOverSplit
+            plan[key] = ColwiseParallel()
+            gathered_parents.add(parent)
+        elif string == "rowwise_split_input" and parent in split_parents:
             plan[key] = RowwiseParallel(output_layouts=SEQUENCE if sequence_parallel else None)
         elif string == "colwise_gather_output" and not in_block:  # the head: whole logits
             plan[key] = ColwiseParallel(input_layouts=SEQUENCE if sequence_parallel else None,
@@ -193,8 +233,9 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
             plan[key] = SequenceParallel()
         else:
             _refuse(key, string, "inside a block gathers a projection whose output the model "
-                                 "slices as one whole tensor (a fused projection, or a norm "
-                                 "over every head); not split here for this family")
+                                 "reads as one whole tensor, and it is neither a fused "
+                                 f"{' / '.join(FUSED)} nor under a norm over its whole output; "
+                                 "not split here for this family")
     if sequence_parallel:
         for parent in sorted(gathered_parents):
             plan[parent] = PrepareModuleInput(
@@ -203,8 +244,23 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
                 desired_input_kwarg_layouts={"hidden_states": Replicate()})
         plan[f"{layers}.0"] = PrepareModuleInput(input_layouts=(Replicate(),),
                                                  desired_input_layouts=(SEQUENCE,))
+    plan.update(norms)
     plan.update(_whole_weights(model, plan, gathered_parents, sequence_parallel))
     return plan
+
+
+def hf_plan_upgrades(model, plan):
+    """[(key, transformers' string, our style)] for each entry of `plan` (hf_plan's, for
+    `model`) that splits what the model's own plan gathers: a projection inside a block marked
+    colwise_gather_output split by its layout (a fused gate|up or q|k|v) or by heads (under a
+    norm over all of them), its rowwise_split_input partner fed this rank's part, and each such
+    norm (the string None: transformers' plan does not name it)."""
+    strings = dict(model.tp_plan)
+    layers = _layer_list(model, strings)
+    return [(key, strings.get(key), style) for key, style in sorted(plan.items())
+            if isinstance(style, NormOverSplit) or (
+                key.startswith(layers + ".") and
+                strings.get(key) in ("colwise_gather_output", "rowwise_split_input"))]
 
 
 def _whole_weights(model, plan, split_parents, sequence_parallel):
@@ -236,4 +292,4 @@ def _whole_weights(model, plan, split_parents, sequence_parallel):
     return found
 
 
-__all__ = ["MOE_STRINGS", "NOT_CARRIED_OUT", "TRANSLATED", "hf_plan"]
+__all__ = ["MOE_STRINGS", "NOT_CARRIED_OUT", "TRANSLATED", "hf_plan", "hf_plan_upgrades"]

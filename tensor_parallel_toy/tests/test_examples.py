@@ -9,8 +9,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-BACKGROUND = {"try_it": lambda folder: dict(
-    argv=[sys.executable, "-m", "tensor_parallel_toy.examples.try_it"], cwd=ROOT)}
+BACKGROUND = {
+    "try_it": lambda folder: dict(
+        argv=[sys.executable, "-m", "tensor_parallel_toy.examples.try_it"], cwd=ROOT),
+    "hf_any_tp": lambda folder: dict(
+        argv=[sys.executable, "-m", "tensor_parallel_toy.examples.hf_any_tp"], cwd=ROOT),
+}
 
 
 @pytest.mark.background("try_it")
@@ -20,6 +24,18 @@ def test_try_it_checks_a_column_layer_against_f_linear_on_two_ranks(background):
     lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
     assert lines == [f"rank {r}: output, dX and dW equal F.linear's" for r in range(2)], out + err
 
+
+@pytest.mark.background("hf_any_tp")
+def test_hf_any_tp_splits_phi3_by_its_own_plan_and_prints_what_it_upgraded(background):
+    """As a reader runs it (Phi-3 by default): the fused projections transformers' plan gathers
+    are printed split by their layout, and the loss and every gradient equal one device's."""
+    code, out, err = background.result("hf_any_tp")
+    assert code == 0, out + err
+    assert any("self_attn.qkv_proj" in line and "colwise_gather_output" in line and
+               "ColwiseParallel(output_sizes=(64, 32, 32))" in line
+               for line in out.splitlines()), out + err
+    assert any(line.startswith("loss and all 15 gradients equal one device's")
+               for line in out.splitlines()), out + err
 
 
 def test_finetune_hf_trains_a_checkpoint_on_two_ranks_and_writes_it_back(pools, tmp_path, capsys):
@@ -38,6 +54,21 @@ def test_finetune_hf_trains_a_checkpoint_on_two_ranks_and_writes_it_back(pools, 
     assert len(losses) == 3 and losses[-1] < losses[0], lines
     assert (out / "config.json").exists() and (out / "model.safetensors").exists(), \
         sorted(p.name for p in out.iterdir())
+
+
+def test_hf_any_tp_splits_olmo2_by_heads_with_its_q_k_norm_over_split_features(pools):
+    """The example's rank function for OLMo 2 on the suite's 2-rank pool (after finetune_hf,
+    whose ranks have imported transformers' model code already): q/k/v split by heads,
+    q_norm and k_norm upgraded to NormOverSplit, every gradient equal to one device's."""
+    from tensor_parallel_toy.examples import hf_any_tp
+
+    for r, result in enumerate(pools(2).run(hf_any_tp.run_rank, "olmo2")):
+        upgraded = {key.rpartition(".")[2]: style for key, _, style in result["upgrades"]}
+        assert upgraded == {"q_proj": "ColwiseParallel()", "k_proj": "ColwiseParallel()",
+                            "v_proj": "ColwiseParallel()", "q_norm": "NormOverSplit()",
+                            "k_norm": "NormOverSplit()",
+                            "o_proj": "RowwiseParallel(output_layouts=Shard(dim=1))"}, (r, result)
+        assert result["report"].ok, (r, str(result["report"]))
 
 
 def test_own_model_tp_output_and_every_gradient_equal_the_one_device_models(pools):

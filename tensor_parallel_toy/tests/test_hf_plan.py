@@ -4,7 +4,9 @@
 Tiny random models built from configs (nothing downloaded), norm weights and biases drawn off
 their defaults: Llama (GQA), Qwen3 (per-head q/k norms) and Gemma 3 (per-head q/k norms with
 1 + weight, four norms a block, the embedding scaled by sqrt(hidden) and tied to the head, a
-padding row, a sliding window of 4 beside a full-attention layer, logit soft-capping). At TP 2,
+padding row, a sliding window of 4 beside a full-attention layer, logit soft-capping), Phi-3
+and GLM-4 (fused projections split by their layout), OLMo 2 and OLMo 3 (q/k norms over every
+head, split with q/k by `NormOverSplit`: its sum of squares all-reduced). At TP 2,
 sequence parallelism on and off, on a batch that holds the padding id: transformers' own loss
 (labels given to the model), the logits and every parameter's gradient, each rank's shard
 against the matching slice of one device's. And every string a dense plan cannot be carried
@@ -28,8 +30,11 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     # A vocabulary no TP size divides: the embedding and the gathered head pad it.
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0, vocab_size=61)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(pad_token_id=0, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"])),
 }
-REFUSED = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0))}  # q/k norm: all heads
 BATCH, SEQ = 2, 12
 DRAWN = 61  # ids and labels below every family's vocabulary size
 
@@ -37,7 +42,7 @@ DRAWN = 61  # ids and labels below every family's vocabulary size
 def tiny_model(family):
     """The family's random `...ForCausalLM` in fp32, eval mode, the same on every rank."""
     transformers = import_transformers()
-    config_cls, model_cls, change = {**FAMILIES, **REFUSED}[family]
+    config_cls, model_cls, change = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**TINY, **change})
     return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
@@ -121,8 +126,6 @@ def refusals():
                         ["self_attn.o_proj", "rowwise_split_input"]),
         "no plan": ("llama", "empty", ["LlamaForCausalLM", "no tp_plan"]),
         "fused qkv, no tp_size": ("phi3", {}, ["self_attn.qkv_proj", "tp_size"]),
-        "olmo2's q/k over all heads": ("olmo2", {}, ["self_attn.q_proj",
-                                                     "colwise_gather_output"]),
     }
     found = {}
     for case, (family, change, words) in cases.items():
@@ -156,3 +159,35 @@ def test_a_fused_layout_the_layer_cannot_hold_is_refused_in_one_line():
         except ValueError as e:
             message = str(e)
         assert_one_line(message, [f"output_sizes={sizes}", "out_features=12"], str(sizes))
+
+
+def test_a_norm_over_split_features_that_is_not_a_plain_rms_norm_is_refused_in_one_line():
+    """NormOverSplit replaces the norm's forward with weight * x / rms(x) over all features:
+    a norm computing anything else (centred, 1 + weight), or features the TP size does not
+    divide, is refused naming it; and PyTorch's styles cannot say it (torch_plan)."""
+    import torch.nn as nn
+
+    from tensor_parallel_toy.apply import NormOverSplit, torch_plan
+    from tensor_parallel_toy.apply.plan import resolve_plan
+
+    gemma_norm = import_transformers().models.gemma3.modeling_gemma3.Gemma3RMSNorm(8)
+    cases = {  # case: (the module, p, the words the error names)
+        "centred": (nn.LayerNorm(8, bias=False), 2, ["LayerNorm", "rms(x)"]),
+        "with a bias": (nn.LayerNorm(8), 2, ["LayerNorm", "'bias'", "one 1-D weight"]),
+        "1 + weight": (gemma_norm, 2, ["Gemma3RMSNorm", "rms(x)"]),
+        "indivisible": (nn.RMSNorm(6, eps=1e-6), 4, ["features", "6", "4"]),
+    }
+    for case, (module, p, words) in cases.items():
+        try:
+            resolve_plan(module, NormOverSplit(), p)
+            message = None
+        except ValueError as e:
+            message = str(e)
+        assert_one_line(message, ["NormOverSplit"] + words, case)
+    resolve_plan(nn.RMSNorm(8, eps=1e-6), NormOverSplit(), 2)  # the plain one is taken
+    try:
+        torch_plan({"q_norm": NormOverSplit()})
+        message = None
+    except ValueError as e:
+        message = str(e)
+    assert_one_line(message, ["q_norm", "NormOverSplit", "PyTorch"], "torch_plan")
