@@ -293,7 +293,10 @@ def main(argv=None, pool=None):
     pool = pool or WorkerPool(args.tp)
     try:
         with tempfile.TemporaryDirectory(prefix="hf_train-") as folder:
-            per_rank = pool.run(_on_rank, families, dims, args.steps, args.lr, args.seed, folder)
+            # The whole run is one task: the pool's default limit (twice a collective's) would
+            # stop a long one; a hung collective still fails after its own timeout.
+            per_rank = pool.run(_on_rank, families, dims, args.steps, args.lr, args.seed, folder,
+                                timeout_s=3600)
     finally:
         if owned:
             pool.close()
