@@ -36,7 +36,8 @@ ALLOWED_NUMBERS = {
     "2407.21783",
     "1.09", "1.10",  # torchtitan's published async-TP speedups on H100, cited as such
     "500",  # the power limit (W) of torchtitan's H100s, cited with those speedups
-    "175", "1.5",  # the reading-time formula: prose words per minute, minutes per table
+    "175", "1.5", "0.18",  # the reading-time formula: prose words per minute, minutes per
+    # table, minutes per formula
     "1.75",  # bound 3's 2 - 1/(pM) at p = 2, M = 2: arithmetic, not a measurement
     "370", "400",  # GB/s: NCCL's effective NVLink rate (nccl-tests#212); 8 NICs of 50 GB/s
     "3.10",  # the Python version the package needs
@@ -100,6 +101,58 @@ def test_blog_excerpts_are_verbatim_from_the_package():
     problems = [f"{name}: {p}" for name, text in _posts().items()
                 for p in check_excerpts(text, ROOT)]
     assert not problems, "blog excerpts out of sync with the code:\n" + "\n".join(problems)
+
+
+# Corrections of issue 51's claim-by-claim check, each as the text that must (not) stand again.
+_CORRECTED = [
+    # (post, phrase that must not appear, why)
+    ("part2", "its text says v4p", "the scaling book's example is TPU v5p"),
+    ("part2", "crosses between the servers on one edge", "a ring spanning two servers crosses twice"),
+    ("part2", "Among the nodes ready to run, autograd runs the one created last, so",
+     "autograd's order is the engine's current behaviour, not a guarantee"),
+    ("part2", "/docs/float8.md", "torchtitan's docs/float8.md is gone"),
+    ("part1", "they must, to build the same full weights", "one generator state is this package's choice"),
+    ("part2", "TP 2 pays\nwhile each all-reduce", "Llama 3 70B does not fit one H100: TP 8 against TP 4"),
+]
+
+
+def test_the_corrected_claims_stay_corrected():
+    """The phrasings a fact check corrected stay out of the posts, GitHub links to files or
+    folders are pinned to a commit (never a branch), the scaling book is one reference, and the
+    generation appendix cites its inference chapter."""
+    from tensor_parallel_toy.post import render as post
+
+    sources = {}
+    for name in post.POSTS:
+        with open(os.path.join(BLOG, "src", name), encoding="utf-8") as f:
+            sources[name.split("-")[0]] = f.read()
+    found = [(post_, phrase, why) for post_, phrase, why in _CORRECTED if phrase in sources[post_]]
+    assert not found, f"corrected claims back in the posts: {found}"
+    unpinned = [link for text in sources.values()
+                for link in re.findall(r"https://github\.com/[^)\s]+/(?:blob|tree)/[^/)\s]+", text)
+                if not re.search(r"/(?:blob|tree)/[0-9a-f]{40}$", link)]
+    assert not unpinned, f"GitHub links to a branch, not a commit: {unpinned}"
+    part2 = sources["part2"]
+    assert part2.count("*How To Scale Your Model*") == 1, "the scaling book has two references"
+    appendix = part2.split("appendix, generating text", 1)[1].split("## References", 1)[0]
+    assert "scaling-book/inference" in appendix, "the generation appendix cites no inference chapter"
+    bound4 = part2.split("4. **A block of rings", 1)[1].split("Real runs stay", 1)[0]
+    assert "can reach" not in bound4 and "cannot go below `max(τc, κ)`" in bound4, (
+        "bound 4: no schedule can go *below* max(τc, κ); it is a limit, not a reachable time")
+
+
+def test_diffs_in_the_posts_add_the_lines_of_the_file_they_name():
+    """A ```diff block tagged `<!-- diff: path -->` shows another project's code turned into
+    ours: every `+` line must be a line of that file, as the excerpts are."""
+    for name, text in _posts().items():
+        for path, block in re.findall(r"<!-- diff: (\S+) -->\s*```diff\n(.*?)^```", text,
+                                      flags=re.S | re.M):
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                lines = set(f.read().splitlines())
+            added = [line[1:] for line in block.splitlines() if line.startswith("+")]
+            assert added, f"{name}: a diff of {path} adds nothing"
+            missing = [line for line in added if line not in lines]
+            assert not missing, f"{name}: lines the diff adds but {path} does not hold: {missing}"
 
 
 def test_blog_images_and_links_exist():
