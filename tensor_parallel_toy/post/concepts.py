@@ -54,7 +54,7 @@ def draw_column_row_split(path):
         "",
         r"Backward: $dX = \Sigma_r\, dY_r\,W_r$, one term per rank:",
         "summed over the ranks: an all-reduce",
-        "(part 1, section 3's f)."]), va="top", fontsize=9)
+        "(section 3's f)."]), va="top", fontsize=9)
 
     # Row-parallel: W's input columns (Wᵀ's rows) split, with X's matching feature slices.
     y0 = 2.2
