@@ -387,3 +387,17 @@ def test_envelope_formula_equals_a_direct_count_of_bytes_and_flops(s, b, h, n, p
         t_comm, t_gemm = envelope.layer_times(s, b, h, n, p, link)
         formula = envelope.ratio(p, n, link)
         assert abs(t_comm / t_gemm - formula) <= 1e-12 * formula, (t_comm / t_gemm, formula)
+
+
+def test_decode_envelope_compares_tp8_with_tp4_because_llama3_70b_does_not_fit_one_h100():
+    """Llama 3 70B's bf16 weights (about 70.6 billion parameters, 141 GB) exceed one 80 GB H100,
+    so TP 1 is no baseline; TP 4 fits. TP 8 reads half of TP 4's share of a block, and its two
+    all-reduces may each cost half the time saved more than TP 4's."""
+    from tensor_parallel_toy.post import envelope
+
+    d = envelope.decode_tp8_vs_tp4()
+    params = d["weights_gb"] * 1e9 / envelope.BF16
+    assert 70.0e9 < params < 71.0e9, params
+    assert d["weights_gb"] * 1e9 > envelope.H100_HBM_BYTES > d["tp4_gb"] * 1e9
+    assert d["tp8_us"] == pytest.approx(d["tp4_us"] / 2)
+    assert d["extra_us"] == pytest.approx((d["tp4_us"] - d["tp8_us"]) / 2)
