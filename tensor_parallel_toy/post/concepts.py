@@ -53,8 +53,8 @@ def draw_column_row_split(path):
         "side by side are Y, each on the rank that made it.",
         "",
         r"Backward: $dX = \Sigma_r\, dY_r\,W_r$, one term per rank:",
-        "summed over the ranks (all-reduce in TP,",
-        "reduce-scatter(seq) in TP + SP)."]), va="top", fontsize=9)
+        "summed over the ranks: an all-reduce",
+        "(section 3's f)."]), va="top", fontsize=9)
 
     # Row-parallel: W's input columns (Wᵀ's rows) split, with X's matching feature slices.
     y0 = 2.2
@@ -78,12 +78,10 @@ def draw_column_row_split(path):
     ax.text(x_eq + 0.4 + 2 * dout + 0.9, y0 + n / 2, "=", fontsize=16, ha="center",
             va="center")
     box(ax, x_eq + 2 * dout + 1.6, y0, dout, n, "$Y = P_0 + P_1$\n[sb, out]", SUM)
-    ax.text(0.4, 1.3, "Forward: the sum is the communication: all-reduce in TP (Y on every "
-            "rank), reduce-scatter(seq)", fontsize=9, va="center")
-    ax.text(0.4, 0.85, "in TP + SP (rank r keeps its s/p rows of Y).", fontsize=9,
-            va="center")
-    ax.text(0.4, 0.3, "Backward: every rank needs all of dY (identity in TP, all-gather(seq) "
-            r"in TP + SP);  $dX_r = dY\,W_r$,  $dW_r = dY^T X_r$.", fontsize=9, va="center")
+    ax.text(0.4, 1.3, "Forward: the sum is the communication: an all-reduce, which leaves Y on "
+            "every rank (section 3's g).", fontsize=9, va="center")
+    ax.text(0.4, 0.3, "Backward: every rank needs all of dY, already on every rank (the "
+            r"identity);  $dX_r = dY\,W_r$,  $dW_r = dY^T X_r$.", fontsize=9, va="center")
     save(fig, path)
 
 
@@ -162,8 +160,8 @@ def _matrix(ax, x, y, rows, cell=0.62):
 @styled
 def draw_transposes(path):
     """Each communication operator at p = 2 as a block matrix acting on the stacked blocks of
-    both ranks, and its backward as the transposed matrix: f and g, all-gather(seq) and
-    reduce-scatter(seq)."""
+    both ranks, and its backward as the transposed matrix: f and g, all-gather and
+    reduce-scatter (section 4 runs the last two along the sequence)."""
     fig, ax = canvas(20, 13.0)
     gather = [["I", "0"], ["0", "I"], ["I", "0"], ["0", "I"]]
     scatter = [["I", "0", "I", "0"], ["0", "I", "0", "I"]]
@@ -173,12 +171,12 @@ def draw_transposes(path):
          "all-reduce"),
         ("g (reduce)", "[a on rank 0; b on rank 1]", [["I", "I"]], "y = a + b, one value",
          "copies dy to both terms;", "dy is on every rank:", "identity"),
-        ("all-gather(seq)", "[x0 on rank 0; x1 on rank 1]", gather,
+        ("all-gather", "[x0 on rank 0; x1 on rank 1]", gather,
          "[x0; x1 on rank 0; x0; x1 on rank 1]", "sums block r's gradients",
-         "onto rank r:", "reduce-scatter(seq)"),
-        ("reduce-scatter(seq)", "[a0; a1 on rank 0; b0; b1 on rank 1]", scatter,
+         "onto rank r:", "reduce-scatter"),
+        ("reduce-scatter", "[a0; a1 on rank 0; b0; b1 on rank 1]", scatter,
          "[a0 + b0 on rank 0; a1 + b1 on rank 1]", "sends both blocks of dy", "to every rank:",
-         "all-gather(seq)"),
+         "all-gather"),
     ]
     top = 12.3
     ax.text(0.3, 12.65, "Forward: out = M · in.   Backward: d(in) = Mᵀ · d(out).   "

@@ -43,6 +43,31 @@ INFINIBAND_8_NICS = Link("InfiniBand NDR, NCCL over a server's 8 NICs", 400e9)
 LLAMA3_70B = {"h": 8192, "m": 28672, "heads": 64, "kv_heads": 8, "head_dim": 128}
 
 
+# Decode, read, not run: an H100 SXM has 80 GB of HBM3 read at 3.35 TB/s (datasheet). Llama 3
+# 70B has 80 blocks and a 128,256-token vocabulary, its embedding and head untied.
+H100_HBM_BYTES, H100_HBM_BYTES_PER_S = 80e9, 3.35e12
+LLAMA3_70B_LAYERS, LLAMA3_70B_VOCAB = 80, 128256
+
+
+def decode_block_params(model=LLAMA3_70B):
+    """Weights of one block: q and o [h, heads·d], k and v [h, kv_heads·d], SwiGLU's three."""
+    h, d = model["h"], model["head_dim"]
+    return 2 * h * model["heads"] * d + 2 * h * model["kv_heads"] * d + 3 * h * model["m"]
+
+
+def decode_tp8_vs_tp4(model=LLAMA3_70B, bytes_per_element=BF16):
+    """Decode per block and token, in microseconds and GB: a decode GEMM reads each weight for a
+    handful of tokens, so its time is the rank's weight bytes over HBM bandwidth (the KV cache's
+    reads are left out). TP 8 reads half of TP 4's share, saving read/8 per block; it pays while
+    each of its block's two all-reduces costs at most read/16 more than TP 4's."""
+    block = decode_block_params(model) * bytes_per_element
+    read_us = block / H100_HBM_BYTES_PER_S * 1e6
+    weights = (LLAMA3_70B_LAYERS * decode_block_params(model)
+               + 2 * LLAMA3_70B_VOCAB * model["h"]) * bytes_per_element
+    return {"weights_gb": weights / 1e9, "tp4_gb": weights / 4 / 1e9,
+            "tp4_us": read_us / 4, "tp8_us": read_us / 8, "extra_us": read_us / 16}
+
+
 def layer_widths(model=LLAMA3_70B):
     """{layer: n}, the width each of a block's four TP layers splits over the ranks."""
     h, m, d = model["h"], model["m"], model["head_dim"]
@@ -99,11 +124,20 @@ def named():
         out[f"env.layerwise.p{p}"] = f"{layerwise_saving(p, link) * 100:.0f} %"
     out["env.block.p16_1nic"] = f"{4 * ratio(16, sum(widths.values()), INFINIBAND_NDR):.1f}"
     out["env.block.p16_8nic"] = f"{4 * ratio(16, sum(widths.values()), INFINIBAND_8_NICS):.1f}"
-    c = ratio(8, 1, NVLINK_H100)  # p = 8: each layer's GEMM time in units of its transfer's
-    gemms = {name: n / c for name, n in widths.items()}
-    out.update({f"env.g8.{name}": f"{g:.2f}" for name, g in gemms.items()})
-    out["env.g8.saved"] = f"{sum(min(1.0, g) for g in gemms.values()):.2f}"
-    out["env.g8.total"] = f"{4 + sum(gemms.values()):.2f}"
+    for p in (2, 4, 8):  # each layer's GEMM time in units of its transfer's (all send alike)
+        c = ratio(p, 1, NVLINK_H100)
+        gemms = {name: n / c for name, n in widths.items()}
+        out.update({f"env.g{p}.{name}": f"{g:.2f}" for name, g in gemms.items()})
+        out[f"env.g{p}.saved"] = f"{sum(min(1.0, g) for g in gemms.values()):.2f}"
+        out[f"env.g{p}.gemms"] = f"{sum(gemms.values()):.2f}"
+        out[f"env.g{p}.total"] = f"{4 + sum(gemms.values()):.2f}"
+    decode = decode_tp8_vs_tp4()
+    out.update({"env.decode.weights_gb": f"{decode['weights_gb']:.0f}",
+                "env.decode.hbm_gb": f"{H100_HBM_BYTES / 1e9:.0f}",
+                "env.decode.tp4_gb": f"{decode['tp4_gb']:.0f}",
+                "env.decode.tp4_us": f"{decode['tp4_us']:.1f}",
+                "env.decode.tp8_us": f"{decode['tp8_us']:.1f}",
+                "env.decode.extra_us": f"{decode['extra_us']:.1f}"})
     fwd, bwd, step = pass_ratios(8, NVLINK_H100)
     out.update({"env.fwd.p8": f"{fwd:.2f}", "env.bwd.p8": f"{bwd:.2f}",
                 "env.step.p8": f"{step:.2f}"})

@@ -184,6 +184,9 @@ def derived(data):
     for name in ("llama", "2d", "gpu"):
         if name in data:
             out.update(_max_rel(f"{name}.max_rel_loss", data[name]))
+    if "decode" in data:  # its envelope reads bf16 weights; the measured model runs in fp32
+        for key, value in data["decode"]["gpu_envelope"]["this model"].items():
+            out[f"decode.fp32.{key}"] = f"{2 * value:.1f}"
     out["results_table"] = _results_table(run)
     for mode, summary in run["timeline"]["summary"].items():
         for key, label in (("total_ms", "total"), ("blocked_in_comm_ms", "blocked"),
