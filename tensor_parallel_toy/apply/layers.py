@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from ..comm import (all_gather_seq, all_reduce_, gather_from_tensor_parallel_region, group_rank,
-                    group_size)
+                    group_size, reduce_scatter_seq)
 from ..parallel_linear import (ColumnParallelLinear, RowParallelLinear, column_parallel_linear,
                                full_shape, layout_of, row_parallel_linear, set_layout)
 from ..vocab_parallel import VocabParallelEmbedding
@@ -73,7 +73,10 @@ class PlannedColumn(ColumnParallelLinear):
         self.where = where
 
     def forward(self, x):
-        if not self.sequence_parallel:  # the whole input on every rank: classic TP, `f` + GEMM
+        gathered = None if self.sequence_parallel else for_column_layers(x)
+        if gathered is not None:  # a module's gathered input: the GEMM, its `f` shared
+            y = self.gemm(gathered)
+        elif not self.sequence_parallel:  # the whole input on every rank: classic TP, `f` + GEMM
             y = super().forward(x)
         else:  # [.., s/p, ..] -> [s/p, .., in] -> all-gather + GEMM -> [s, .., out/p] -> back
             x = to_sequence_first(x, self.input_dim, self.tp_size, self.where)
@@ -378,6 +381,41 @@ def gather_sequence(x, dim, group):
     return x if group_size(group) == 1 else _GatherSequence.apply(x, dim, group)
 
 
+class _GatheredForColumns(torch.autograd.Function):
+    """forward: the gathered input again (no communication: the gather has run); backward:
+    reduce-scatter along `dim`. Conjugate of all-gather, as in a Megatron column layer.
+
+    The column layers that read a module's gathered input (an attention's q, k and v) each
+    give back a partial input gradient (their weight rows are this rank's); one `f` apiece
+    would all-reduce each, and the gather's backward then keep this rank's rows. Reading this
+    tensor instead, they skip `f`: autograd adds their partials here, and one reduce-scatter
+    sums them over the ranks and keeps this rank's rows: the same gradient for half the bytes
+    (p = 2), as Megatron's all-gather + GEMM. Whatever else the module does with its input
+    reads the gathered tensor itself, whose backward stays a slice: correct either way."""
+
+    @staticmethod
+    def forward(ctx, shard, gathered, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        part, _ = reduce_scatter_seq(grad.movedim(ctx.dim, 0), ctx.group)
+        return part.movedim(0, ctx.dim), None, None, None
+
+
+def for_column_layers(x):
+    """The tensor a column layer (input Replicate()) multiplies instead of `x` and without `f`,
+    where `x` is a module's input gathered by `redistribute` (see _GatheredForColumns); None
+    for any other input. One per gathered input, shared by its column layers."""
+    source = getattr(x, "_tp_gathered_from", None)
+    if source is None:
+        return None
+    if getattr(x, "_tp_for_columns", None) is None:
+        x._tp_for_columns = _GatheredForColumns.apply(*source[:1], x.detach(), *source[1:])
+    return x._tp_for_columns
+
+
 def split_sequence(x, dim, group):
     """[.., s, ..] the same on every rank -> this rank's [.., s/p, ..]; backward: all-gather."""
     return x if group_size(group) == 1 else _SplitSequence.apply(x, dim, group)
@@ -390,11 +428,14 @@ def redistribute(x, have, want, group, where):
         return x
     if isinstance(have, Shard) and isinstance(want, Replicate):
         to_sequence_first(x, have.dim, group_size(group), where)
-        return gather_sequence(x, have.dim, group)
+        full = gather_sequence(x, have.dim, group)
+        full._tp_gathered_from = (x, have.dim, group)  # for its column layers: for_column_layers
+        return full
     to_sequence_first(x, want.dim, group_size(group), where, whole=True)
     return split_sequence(x, want.dim, group)
 
 __all__ = ["PlannedColumn", "PlannedConvColumn", "PlannedConvRow", "PlannedEmbedding",
-           "PlannedNormOverSplit", "PlannedRow", "SequenceParallelDropout", "gather_sequence",
+           "PlannedNormOverSplit", "PlannedRow", "SequenceParallelDropout", "for_column_layers",
+           "gather_sequence",
            "redistribute", "rms_norm_eps", "split_sequence", "sum_over_split_features",
            "to_sequence_first"]

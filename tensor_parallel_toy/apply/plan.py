@@ -68,10 +68,12 @@ What each style does here, p = TP size:
                       module that holds split layers too, it covers its own parameters only.
     PrepareModuleInput / PrepareModuleOutput  a module's inputs / outputs moved between layouts:
                       Shard(d) -> Replicate(): all-gather along d, backward this rank's slice
-                      (the gradient of replicated code is whole on every rank: a column layer
-                      behind it takes it through `f`); Replicate() -> Shard(d): this rank's
-                      slice, backward all-gather. E.g. an attention that reads T from its input
-                      gets the whole sequence; its column layers then take Replicate() input.
+                      (the gradient of replicated code is whole on every rank); the column
+                      layers that read that gathered input skip their `f` and share one
+                      reduce-scatter of their partial gradients instead (for_column_layers);
+                      Replicate() -> Shard(d): this rank's slice, backward all-gather. E.g.
+                      an attention that reads T from its input gets the whole sequence; its
+                      column layers then take Replicate() input.
 
 Activations are sequence-first inside our layers (`[s, b, h]`). A batch-first model says
 Shard(1): each layer's input is transposed to sequence-first (a view), and its output back and

@@ -69,9 +69,11 @@ Inside a block, an attention reads its batch and length from its input
 (`hidden_shape = (*hidden_states.shape[:-1], -1, head_dim)`) and an MLP may do anything between
 its projections: each module holding a `colwise` layer gets its input gathered
 (`PrepareModuleInput`, Shard(1) -> Replicate(), positional or `hidden_states=`), its column
-layers take the whole input (`f`), and its `rowwise` layer reduce-scatters back to Shard(1).
-The gather and `f` cost an all-gather forward and an all-reduce backward where Megatron's
-all-gather + GEMM reduce-scatters; the price of not knowing what the module reads.
+layers take the whole input, and its `rowwise` layer reduce-scatters back to Shard(1). The
+column layers that read the gathered input share one reduce-scatter of their partial input
+gradients in the backward (apply/layers.py, `for_column_layers`), as Megatron's all-gather +
+GEMM does, instead of an all-reduce each: measured on a Llama-like model (TP 2, hidden 256),
+20 MiB sent per step and rank instead of 36.
 """
 import copy
 
