@@ -37,7 +37,8 @@ SOURCES = {  # placeholder prefix: the committed results file it reads, relative
     "halvesveth": "halves/results_veth_1gbit.json",  # the same over the emulated 1 Gbit/s link
     "halvesloop": "halves/results_loopback.json",  # the default run, loopback
     "gpu": "gpu/profile/results.json",        # gpu-check's profile step (--share-gpu: 1 GPU)
-}
+    "hf": "hf/hf_train.json",                 # Hugging Face decoders by their own plan, beside
+}                                             # transformers' own TP (run/hf_train.py)
 _PLACEHOLDER = re.compile(r"\{\{\s*(?:([a-z0-9]+):)?([^|}]+?)\s*(?:\|\s*([^}]+?)\s*)?\}\}")
 
 
