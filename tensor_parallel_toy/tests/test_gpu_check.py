@@ -9,6 +9,7 @@ summary's first lines with its step, its test and its cause.
 import concurrent.futures
 import dataclasses
 import os
+import pathlib
 import re
 import sys
 import time
@@ -30,16 +31,24 @@ REHEARSED = ["nccl-smoke"]  # the test steps run in the failure rehearsal below 
 ONE_GLOO_TEST = "matches_full_linear and 2-column-overlap-bias-fp32"
 
 
-def test_rehearsal_runs_every_step_on_cpu_and_its_summary_says_what_passed(tmp_path,
-                                                                            monkeypatch, capsys):
-    """The one-GPU plan (the machine most likely to turn up) through `main`, its first step:
-    the summary file, the screen, the log, the sharing route."""
-    monkeypatch.delenv(SHARE_GPU_ENV, raising=False)  # --share-gpu must set it for the steps
-    out = tmp_path / "gpu"
-    code = gpu_check.main(["--rehearse", "--share-gpu", "--out", str(out), "--tests",
-                           ONE_GLOO_TEST, "--steps", ",".join(REHEARSED)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed[-4000:]
+def _rehearsal(folder):
+    """The one-GPU plan (the machine most likely to turn up) as a reader runs it, its first step
+    only; --share-gpu must set the sharing switch itself, so it is unset here."""
+    env = {k: v for k, v in os.environ.items() if k != SHARE_GPU_ENV}
+    return dict(argv=[sys.executable, "-m", "tensor_parallel_toy", "gpu-check", "--rehearse",
+                      "--share-gpu", "--out", os.path.join(folder, "rehearsal"), "--tests",
+                      ONE_GLOO_TEST, "--steps", ",".join(REHEARSED)], env=env)
+
+
+BACKGROUND = {"rehearsal": _rehearsal}
+
+
+@pytest.mark.background("rehearsal")
+def test_rehearsal_runs_every_step_on_cpu_and_its_summary_says_what_passed(background):
+    """The summary file, the screen, the log, the sharing route."""
+    code, printed, err = background.result("rehearsal")
+    out = pathlib.Path(background.folder) / "rehearsal"
+    assert code == 0, printed[-4000:] + err[-2000:]
     block = (out / "summary.txt").read_text()
     first = block.splitlines()[0]
     assert first == (f"{gpu_check.PROG} --rehearse: 1 of 1 steps passed; results in {out}/ "
@@ -130,9 +139,9 @@ def rehearse_failures(out):
     print(_SUMMARY_MARK, summary(outcomes, out), sep="\n")
 
 
-BACKGROUND = {"failure rehearsal": lambda folder: dict(argv=[
+BACKGROUND["failure rehearsal"] = lambda folder: dict(argv=[
     sys.executable, "-c", "import sys; from tensor_parallel_toy.tests.test_gpu_check import "
-    "rehearse_failures; rehearse_failures(sys.argv[1])", folder])}
+    "rehearse_failures; rehearse_failures(sys.argv[1])", folder])
 
 
 @pytest.mark.background("failure rehearsal")

@@ -238,7 +238,7 @@ def test_an_example_started_by_launch_stops_on_sigterm_within_5_s_leaving_nothin
     try:
         # The launcher, the fork server and two ranks, then a moment inside training.
         _wait_until(run, lambda: len(session_processes(run.proc.pid)) >= 4, "the ranks")
-        time.sleep(1.0)
+        time.sleep(0.3)
         took = run.stop(signal.SIGTERM)
         assert took < STOP_WITHIN_S and run.proc.returncode == 128 + signal.SIGTERM, \
             f"exit status {run.proc.returncode} after {took:.1f} s:\n{run.output()}"
