@@ -77,6 +77,7 @@ GEMM does, instead of an all-reduce each: measured on a Llama-like model (TP 2, 
 """
 import copy
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
@@ -177,7 +178,13 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
     Hugging Face model's own (see the module docstring); TP + SP by default, classic TP with
     `sequence_parallel=False`. Reads the model and changes nothing, but for a fused q|k|v
     (Phi-3's qkv_proj), which needs `tp_size`: each such attention is given a config of its
-    own holding this rank's head counts (`_fused_qkv`)."""
+    own holding this rank's head counts (`_fused_qkv`).
+
+    `tp_size` (default: the default group's size, where torch.distributed is initialized) is
+    checked against the head counts: a column split of q, k and v gives each rank whole heads
+    only where p divides both, and a k/v head cut in two would be a silently wrong model."""
+    _check_heads(model, tp_size or (dist.get_world_size() if dist.is_available() and
+                                    dist.is_initialized() else None))
     strings = dict(getattr(model, "tp_plan", None) or {})
     if not strings:
         raise ValueError(f"{type(model).__name__} has no tp_plan (config.base_model_tp_plan and "
@@ -249,6 +256,20 @@ def hf_plan(model, *, sequence_parallel=True, tp_size=None):
     plan.update(norms)
     plan.update(_whole_weights(model, plan, gathered_parents, sequence_parallel))
     return plan
+
+
+def _check_heads(model, p):
+    """One line where p does not divide the model's query or k/v heads."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not p or not heads:
+        return
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if n % p:
+            valid = [d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0]
+            raise ValueError(f"{name}={n} is not divisible by the TP size {p}: each rank must "
+                             f"hold whole heads; valid TP sizes for this model: {valid}")
 
 
 def hf_plan_upgrades(model, plan):

@@ -98,6 +98,60 @@ def test_each_family_by_its_own_plan_equals_one_device(pools, family, sequence_p
     assert sum(k.startswith("grad:") for k in worst) == len(names), sorted(worst)
 
 
+def _on_rank_generate(family):
+    """Greedy tokens from transformers' own `generate` on the model split by its plan without
+    SP (decoding feeds one token at a time: nothing to split along the sequence), against one
+    device's; the KV cache holds this rank's k/v heads only."""
+    from tensor_parallel_toy.apply import parallelize_module
+    from tensor_parallel_toy.interop.hf_plan import hf_plan
+
+    group = dist.group.WORLD
+    ref, tp = tiny_model(family), tiny_model(family)
+    tp = parallelize_module(tp, group, hf_plan(tp, sequence_parallel=False,
+                                               tp_size=dist.get_world_size(group)))
+    ids = batch()[0][:, :5]
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                   return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = ref.generate(ids, **options), tp.generate(ids, **options)
+    # The scores too: a tiny random model may repeat one token whatever its logits' errors.
+    return (want.sequences.tolist(), got.sequences.tolist(),
+            max_rel_error(torch.stack(got.scores), torch.stack(want.scores)))
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_transformers_generate_on_the_split_model_gives_one_devices_tokens(pools, family):
+    for rank, (want, got, error) in enumerate(pools(2).run(_on_rank_generate, family)):
+        assert got == want, f"{family}, rank {rank}: split {got} != one device {want}"
+        assert error <= MODEL_FP32_TOL, f"{family}, rank {rank}: scores off by {error:.3g}"
+
+
+def _on_rank_tp4(family):
+    """Eight query heads and four k/v heads (TP 4 needs whole ones of each) at TP 4 with SP."""
+    def build():
+        transformers = import_transformers()
+        config_cls, model_cls, change = FAMILIES[family]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(**{**TINY, **change, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 4, "head_dim": 4})
+        return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
+    return errors_against_one_device(build, True)
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_tp4_equals_one_device_and_heads_tp_does_not_divide_are_refused(pools, family):
+    worst = assert_errors(pools(4).run(_on_rank_tp4, family), MODEL_FP32_TOL,
+                          f"{family} by hf_plan, tp=4")
+    assert any(k.startswith("grad:") for k in worst), sorted(worst)
+    from tensor_parallel_toy.interop.hf_plan import hf_plan
+    message = None
+    try:  # the tiny model's 2 k/v heads at TP 4: half a head per rank
+        hf_plan(tiny_model(family), tp_size=4)
+    except ValueError as e:
+        message = str(e)
+    assert_one_line(message, ["num_key_value_heads=2", "TP size 4", "[1, 2]"], family)
+
+
 def refusals():
     """{case: the message hf_plan raised (None if it did not)}, one bad entry each; hf_plan
     reads the model and communicates nothing, so no ranks are needed."""
