@@ -1,5 +1,6 @@
 """`python -m tensor_parallel_toy gpu-check`: everything this package claims about GPUs, run on
-the GPUs of this machine, in one command.
+the GPUs of this machine, in one command. This file plans and runs the steps; gpu_report.py
+reads what they wrote into the summary.
 
 Steps, each its own process, in order:
 0. nccl-smoke: two ranks form an NCCL group, all-reduce, take one ring step and meet at a barrier
@@ -59,7 +60,6 @@ import argparse
 import codecs
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -67,14 +67,13 @@ import subprocess
 import sys
 import threading
 import time
-import xml.etree.ElementTree as ElementTree
 
-from . import machine
-from .pool import RANK_LOGS_ENV
+from . import gpu_report, machine
+from .gpu_report import PROG, summary
+from .rank_output import RANK_LOGS_ENV
 from .initialize import (SHARE_GPU_ENV, gpu_count, nccl_version, share_gpu_requested,
                          share_gpu_route)
 
-PROG = "python -m tensor_parallel_toy gpu-check"
 LARGE_SHAPE = "8192,1,4096,16384"  # s, b, h, m: 64 MiB of bf16 activations per rank and step
 # Seconds per step: two ranks time-slicing one GPU over sockets run the suite's NCCL tests
 # several times slower than two GPUs do, and the sanitizer slows every kernel launch. The smoke
@@ -236,8 +235,9 @@ def run_step(step, out, timeout_s=None):
         proc.stdout.close()
     seconds = time.perf_counter() - start
     log_name = os.path.basename(log_path)
-    tests = read_report(step.report, step.backend)
-    evidence = (tests.failures or _evidence(log_path)) + _ranks_output(step)
+    tests = gpu_report.read_report(step.report, step.backend)
+    evidence = ((tests.failures or gpu_report.evidence(log_path))
+                + gpu_report.ranks_output(step.env.get(RANK_LOGS_ENV)))
     if code is None:
         return Outcome(step, "TIMED OUT", seconds,
                        f"stopped after {timeout_s:g} s, the step's time limit{tests.counts}; "
@@ -254,92 +254,6 @@ def run_step(step, out, timeout_s=None):
     where = f"results in {step.results}/" if step.results else f"log {log_name}"
     return Outcome(step, "passed", seconds,
                    "; ".join(filter(None, [tests.counts.lstrip(", "), where])), [])
-
-
-@dataclasses.dataclass
-class Tests:
-    counts: str = ""  # ", N passed, M failed, K skipped", or "" without a report
-    backend_passed: int = 0  # tests parametrized with the step's backend that passed
-    failures: list = dataclasses.field(default_factory=list)  # "test: cause" per failed test
-    skip_reasons: list = dataclasses.field(default_factory=list)
-
-
-def _one_line(text, most=400):
-    """The first line of a message, its exception named without its module path."""
-    line = re.sub(r"^(?:\w+\.)+(?=\w+: )", "", " ".join((text or "").strip().splitlines()[:1]))
-    return line if len(line) <= most else line[:most - 3] + "..."
-
-
-def read_report(report, backend=None):
-    """What a JUnit report says (a `Tests`): the counts, how many tests parametrized with
-    `backend` (an id part, as in test_x[nccl] or test_y[nccl-2]) passed, each failed test with
-    the first line of its failure (pytest's "Type: message", which for a rank's error names
-    the rank and its cause), and the distinct skip reasons."""
-    try:
-        root = ElementTree.parse(report).getroot()
-    except (OSError, TypeError, ElementTree.ParseError):
-        return Tests()
-    found = Tests()
-    totals = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
-    for case in root.iter("testcase"):
-        name = case.get("name", "")
-        ids = re.findall(r"\[(.*)\]$", name)
-        node = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{name}"
-        outcome = next((child for child in case if child.tag in ("failure", "error",
-                                                                 "skipped")), None)
-        if outcome is None:
-            totals["passed"] += 1
-            found.backend_passed += bool(backend and ids and backend in ids[0].split("-"))
-        elif outcome.tag == "skipped":
-            totals["skipped"] += 1
-            reason = _one_line(outcome.get("message"))
-            if reason not in found.skip_reasons:
-                found.skip_reasons.append(reason)
-        else:
-            totals["failed" if outcome.tag == "failure" else "errors"] += 1
-            found.failures.append(f"{node}: {_one_line(outcome.get('message'))}")
-    parts = [f"{n} {word}" for word, n in totals.items() if n]
-    found.counts = ", " + ", ".join(parts or ["0 tests"])
-    found.skip_reasons = found.skip_reasons[:3]
-    return found
-
-
-def _ranks_output(step):
-    """Where a step's ranks wrote their own stderr, if any of them said anything."""
-    folder = step.env.get(RANK_LOGS_ENV)
-    files = sorted(os.listdir(folder)) if folder and os.path.isdir(folder) else []
-    return [f"ranks' own stderr: {folder}/ ({', '.join(files)})"] if files else []
-
-
-def _evidence(log_path, most=8):
-    """A failed step's lines from its log, where there is no report to read: pytest's
-    FAILED/ERROR lines or a step's own FAILED line, or else its last lines."""
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        lines = [line.rstrip() for line in f if line.strip()]
-    picked = [line for line in lines if re.match(r"(FAILED|ERROR) ", line)]
-    return (picked or lines[-3:])[:most]
-
-
-def summary(outcomes, out, skipped=(), machine_line="", sharing="", rehearse=False):
-    """The summary block: one line saying what passed, what failed and where the results are;
-    then the failed steps, each with its failed tests and their causes; then the others."""
-    bad = {status: [o.step.name for o in outcomes if o.status == status]
-           for status in ("FAILED", "TIMED OUT", "not run")}
-    ran = [o for o in outcomes if o.status != "not run"]
-    passed = sum(o.status == "passed" for o in outcomes)
-    head = (f"{PROG}{' --rehearse' if rehearse else ''}: {passed} of {len(outcomes)} steps "
-            f"passed" + "".join(f"; {status}: {', '.join(names)}"
-                                for status, names in bad.items() if names)
-            + f"; results in {out}/ (summary.txt, a .log per step)")
-    lines = [head]
-    order = [o for o in ran if o.status != "passed"] + [o for o in outcomes if o not in ran
-                                                        or o.status == "passed"]
-    for o in order:
-        seconds = f"{o.seconds:6.0f} s" if o.status != "not run" else " " * 8
-        lines.append(f"  {o.status:<9} {o.step.name:<13} {seconds}  {o.detail}")
-        lines += [f"      | {line}" for line in o.evidence]
-    lines += [f"  {'skipped':<9} {name:<13} {'':>8}  {why}" for name, why in skipped]
-    return "\n".join(lines + [line for line in (machine_line, sharing) if line]) + "\n"
 
 
 def _machine(gpus, rehearse):

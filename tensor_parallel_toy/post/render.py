@@ -219,7 +219,7 @@ def derived(data):
 
 def _gpu_check(blog_dir):
     """gpu-check's test steps, from their JUnit reports in blog/gpu/: tests passed per step."""
-    from ..launcher.gpu_check import read_report
+    from ..launcher.gpu_report import read_report
     out = {}
     for step in ("nccl-tests", "sanitizer"):
         tests = read_report(os.path.join(blog_dir, "gpu", f"{step}.xml"), "nccl")

@@ -17,7 +17,8 @@ import os
 
 import pytest
 
-from tensor_parallel_toy.launcher.pool import RANK_LOGS_ENV, WorkerPool
+from tensor_parallel_toy.launcher.pool import WorkerPool
+from tensor_parallel_toy.launcher.rank_output import RANK_LOGS_ENV
 from tensor_parallel_toy.tests.processes import Background, Pools
 
 

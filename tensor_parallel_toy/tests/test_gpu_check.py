@@ -18,7 +18,9 @@ import types
 import pytest
 
 from tensor_parallel_toy.launcher import gpu_check, initialize, machine, smoke
-from tensor_parallel_toy.launcher.gpu_check import Step, run_step, summary
+from tensor_parallel_toy.launcher.gpu_check import Step, run_step
+from tensor_parallel_toy.launcher import gpu_report
+from tensor_parallel_toy.launcher.gpu_report import read_report, summary
 from tensor_parallel_toy.launcher.initialize import SHARE_GPU_ENV
 from tensor_parallel_toy.launcher.pool import INJECT_ENV, WorkerError
 from tensor_parallel_toy.tests.helpers import assert_one_line
@@ -207,14 +209,14 @@ def test_a_junit_report_gives_each_failed_test_with_its_cause_and_counts_the_bac
         '<testcase classname="pkg.tests.test_b" name="test_z[gloo]"><skipped message="no GPU"/>'
         '</testcase><testcase classname="pkg.tests.test_b" name="test_w[nccl]"><error message='
         '"failed on setup"/></testcase></testsuite></testsuites>')
-    tests = gpu_check.read_report(str(report), "nccl")
+    tests = read_report(str(report), "nccl")
     assert tests.counts == ", 2 passed, 1 failed, 1 errors, 1 skipped", tests
     assert tests.backend_passed == 1, tests  # test_nccl_env has no [nccl] id: not counted
     assert tests.failures == [
         "test_b::test_y[2-nccl]: WorkerError: rank 1 raised: DistBackendError: NCCL error ... "
         "Cuda failure 'out of memory'", "test_b::test_w[nccl]: failed on setup"], tests
     assert tests.skip_reasons == ["no GPU"]
-    assert gpu_check.read_report(str(tmp_path / "missing.xml")) == gpu_check.Tests()
+    assert read_report(str(tmp_path / "missing.xml")) == gpu_report.Tests()
 
 
 def _sleeper(tmp_path):
