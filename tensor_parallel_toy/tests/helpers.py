@@ -120,6 +120,15 @@ def assert_one_line(message, words, what):
                                    "is not one line"))
 
 
+def assert_usage_error(main, flags, words, capsys):
+    """A command's `main(flags)` refuses them as argparse does: exit status 2 and one line on
+    stderr holding `words`."""
+    with pytest.raises(SystemExit) as exited:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
+
+
 def value_error_messages(cases):
     """{key: the one-line ValueError message of calling `cases[key]()`, or None if it did not
     raise}, then a barrier: every rank got past every case, so none was left in a collective.

@@ -24,7 +24,7 @@ from tensor_parallel_toy.guards import RanksDisagreeError
 from tensor_parallel_toy.inference.generate import KVCache, generate
 from tensor_parallel_toy.launcher.initialize import current_device
 
-from .helpers import BACKENDS, import_transformers, tiny_hf_model, world
+from .helpers import BACKENDS, assert_usage_error, import_transformers, tiny_hf_model, world
 
 NEW = 6  # tokens generated per prompt
 SHAPES = {"llama3.2": ("LlamaConfig", "LlamaForCausalLM",
@@ -221,10 +221,7 @@ def test_the_decode_measurement_reports_latency_transfers_and_the_cache(pools, t
 def test_the_decode_measurements_bad_flags_are_one_line_and_exit_2(flags, words, capsys):
     from tensor_parallel_toy.profiling.run import decode
 
-    with pytest.raises(SystemExit) as exited:
-        decode.main(flags)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
+    assert_usage_error(decode.main, flags, words, capsys)
 
 
 def _on_rank_hf_tp(folder):

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, draw_norms_and_biases_,
-                      import_transformers, max_rel_error)
+from .helpers import (MODEL_FP32_TOL, assert_errors, assert_one_line, import_transformers,
+                      max_rel_error, tiny_hf_model)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=64, max_position_embeddings=64)
@@ -39,13 +39,11 @@ BATCH, SEQ = 2, 12
 DRAWN = 61  # ids and labels below every family's vocabulary size
 
 
-def tiny_model(family):
-    """The family's random `...ForCausalLM` in fp32, eval mode, the same on every rank."""
-    transformers = import_transformers()
-    config_cls, model_cls, change = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**TINY, **change})
-    return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
+def tiny_model(family, **change):
+    """The family's random `...ForCausalLM` in fp32, eval mode, the same on every rank; TINY's
+    sizes with the family's changes and `change`."""
+    config_cls, model_cls, family_change = FAMILIES[family]
+    return tiny_hf_model(config_cls, model_cls, **{**TINY, **family_change, **change})
 
 
 def batch():
@@ -128,14 +126,8 @@ def test_transformers_generate_on_the_split_model_gives_one_devices_tokens(pools
 
 def _on_rank_tp4(family):
     """Eight query heads and four k/v heads (TP 4 needs whole ones of each) at TP 4 with SP."""
-    def build():
-        transformers = import_transformers()
-        config_cls, model_cls, change = FAMILIES[family]
-        torch.manual_seed(0)
-        config = getattr(transformers, config_cls)(**{**TINY, **change, "num_attention_heads": 8,
-                                                      "num_key_value_heads": 4, "head_dim": 4})
-        return draw_norms_and_biases_(getattr(transformers, model_cls)(config).eval())
-    return errors_against_one_device(build, True)
+    return errors_against_one_device(
+        lambda: tiny_model(family, num_attention_heads=8, num_key_value_heads=4, head_dim=4), True)
 
 
 @pytest.mark.parametrize("family", ["phi3", "olmo2"])

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from .helpers import import_transformers
+from .helpers import assert_usage_error, import_transformers
 
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--ffn", "64",
         "--vocab", "128", "--batch", "2", "--seq", "16", "--steps", "2"]
@@ -70,7 +70,4 @@ def test_hf_train_reports_every_mode_with_one_devices_loss_and_the_targets(pools
 def test_hf_trains_bad_flags_are_one_line_and_exit_2(flags, words, capsys):
     from tensor_parallel_toy.profiling.run import hf_train
 
-    with pytest.raises(SystemExit) as exited:
-        hf_train.main(flags)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
+    assert_usage_error(hf_train.main, flags, words, capsys)
