@@ -100,8 +100,8 @@ def draw_ring_all_gather_gemm(path):
         for k in range(p - 1)], scale)
     ax.text(3.3 + (gather + p * t_g) * scale + 0.1, y + 0.25, "done", fontsize=8, va="center")
     ax.text(3.3 + p * t_g * scale + 0.1, y - 1.85, "done", fontsize=8, va="center")
-    ax.text(0.3, y - 3.75, r"Ring: $(p-1)\cdot\max(t_g, t_c) + t_g$, that is $T_{gemm}$ "
-            r"here (all communication hidden); basic: $T_{comm} + T_{gemm}$.", fontsize=9,
+    ax.text(0.3, y - 3.75, r"Ring: $(p-1)\cdot\max(t_g, t_c) + t_g$, that is $\tau_g = p\,t_g$ "
+            r"here (all communication hidden); basic: $\tau_c + \tau_g$.", fontsize=9,
             va="center")
     save(fig, path)
 

@@ -1,44 +1,38 @@
-"""How long the posts take a learner, by a formula calibrated on two learners' timed readings.
+"""How long the posts take a learner, by a formula fitted on learners' logs kept per section.
 
-Reading. A learner who knew PyTorch and nanoGPT, but had never trained on more than one device,
-read the fourth edition with a log kept per section: dense prose went at about 175 words a
-minute, code at about 70, each figure one had to study (the regions of a block, the transposes,
-each ring) took 3 to 5 minutes, a table about a minute and a half, and a passage the post asks
-to be read twice took twice its time.
+What is timed. A learner who knows PyTorch and nanoGPT, but has never trained on more than one
+device, reads the core to answer four checks: why each backward is the other collective; the
+half-collectives of a block with and without SP; the four overlap bounds; a plan, launch and
+check for their own nanoGPT. Each keeps a log of the minutes per section: reading, re-reading,
+studying the figures, mapping code and following each formula, the pencil checks apart (the
+posts say those come on top). That is study, not reading: the minutes are about three times
+what the same words take at a reading pace.
 
-Understanding. Those rates alone stated 59 minutes for the fifth edition's core, which the
-next learner took about 102 minutes to read (85 to 110), pencil checks aside; the sections where
-one must think ran 2 to 3 times the rates (part 1 section 9, a plan, 13 minutes against 5; the
-overlap bounds and the envelope, 17 against 9). Two things cost the extra time: a Python block
-(mapping code onto the idea it implements, beyond reading its words) and a formula (a backtick
-span that holds an operator, `=`, `≤`, `·`, `/`, `+`, `−`, a sum, a power or a shape like `2h`,
-or a line of a fenced block that is not Python or shell), each of which a learner checks. The
-formula:
+The formula, fitted on CALIBRATION (two such logs of the sixth edition's core, section by
+section, with each section's counts) by least squares on the learners' mean minutes:
 
-    minutes = prose words / 175 + code words / 70 + 3 per figure shown + 1.5 per table
-              + 3 per Python block + 0.18 per formula,
-              counted twice in a section whose heading says "(read it twice)"
+    minutes = prose words / 45 + code words / 20 + 4 per figure shown + 0.15 per formula
 
-The two understanding constants are fitted on CALIBRATION, the learners' logs beside the counts
-of the editions they read (`git show 4518f73:blog/part1-tp-and-sp.md`, the fourth edition as
-read, stating 40 + 37 = 77 minutes; `b845c02`, the fifth, stating 59 for its core): `fit`
-searches a = 0, 0.25, ..., 4 minutes per Python block and b = 0, 0.01, ..., 0.5 per formula for
-the least squared relative error over the four logs, among the pairs that predict both
-editions' totals within 15 %, and finds a = 3, b = 0.18:
+A formula is a backtick span that holds an operator (`=`, `≤`, `·`, `/`, `+`, `−`, a sum, a
+power or a shape like `2h`; not a file name, a flag, a keyword argument or a call), or a line
+of a fenced block that is not Python or shell (equations, the worked example's matrices,
+diagrams). `fit` solves the least squares and rounds (words a minute to 5, a figure's minutes to
+0.5, a formula's to 0.01); the constants below are its result. How it does:
 
-    log                                            rates  Python  formulas  predicted  measured
-    4th edition, all but its appendix (a)          112.1     9       182       171.9      150
-    5th edition, the core                           59.4     5        96        91.6      102
-    5th edition, part 1 section 9                    5.2     2         6        12.3       13
-    5th edition, part 2 sections 2 and 3             8.6     0        42        16.1       17
+    the sixth edition's core                   predicted  measured
+    learner A, its core sections                   150       139   (+16 in two deep dives)
+    learner B, its core sections                   150       164   (+22 in three deep dives)
+    a third learner, the whole core                150       137
+    per section (20), root-mean-square error       1.8 minutes
 
-(a) an estimate: that learner took 167 minutes with the pencil checks, which the log did not
-time apart; the fifth edition's log put its checks at about 17, hence 150. With 167 the fit
-gives a = 3.25, b = 0.2 and this edition's core 77.6 minutes instead of 74.9: the constants are
-this uncertain.
-The fourth edition comes out 15 % high and the fifth 10 % low: a learner reading the whole
-post meets the same ideas as one reading the core, so the understanding term is not purely per
-block and formula. The data are two learners: the constants are a calibration, not a law.
+The deep dives a learner opened are not in the fit, being read only in part; the learners opened
+them for what the core lacked (the plan's check call, the sizes that must divide, the second
+ring's figure), which the next edition moved into the core. Two earlier logs, kept under a
+looser protocol (minutes to read, without the checks' standard of understanding), are left out:
+the fourth edition (all but its appendix: 10,356 prose words, 1,081 of code, 8 figures, 182
+formulas) took 150 minutes (167 with its pencil checks), where this formula says 343; the fifth
+edition's core (5,457, 292, 6, 96) took 102, where it says 174. The data are two learners and a
+third's total: the constants are a calibration, not a law.
 
 Words are whitespace-separated, as `wc -w` counts them; HTML comments (the excerpt tags) are
 not read. A figure that is only linked, `[figure](x.png)`, is not counted: the reader chooses.
@@ -56,20 +50,35 @@ as two words while the times are computed):
 """
 import re
 
-PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_TABLE = 175, 70, 3.0, 1.5
-MINUTES_PER_PYTHON_BLOCK, MINUTES_PER_FORMULA = 3.0, 0.18  # fitted: see `fit`
+PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_FORMULA = 45, 20, 4.0, 0.15  # see `fit`
 
-# The learners' logs: (what was read, its minutes at the reading rates alone, Python blocks,
-# formulas, measured minutes), counted by `reading_minutes`, `python_blocks` and `formulas` on
-# the rendered posts of commits 4518f73 (the fourth edition as read) and b845c02 (the fifth).
+# The learners' logs of the sixth edition's core (commit 2c9f6b2, rendered), one row a section
+# read: (post, heading, prose words, code words, figures, formulas, minutes of learner A, of
+# learner B), counted by `counts`; the headings of a part with no text of its own are left out.
 CALIBRATION = (
-    ("4th edition, all but its appendix", 112.12, 9, 182, 150),
-    ("5th edition, the core", 59.35, 5, 96, 102),
-    ("5th edition, part 1 section 9", 5.21, 2, 6, 13),
-    ("5th edition, part 2 sections 2 and 3", 8.59, 0, 42, 17),
+    ("1", "(opening)", 210, 0, 0, 0, 2, 3),
+    ("1", "Launching, in ten lines", 138, 83, 0, 1, 5, 7),
+    ("1", "Glossary and notation", 310, 0, 0, 4, 6, 7),
+    ("1", "2. The collectives, drawn", 79, 0, 1, 1, 5, 6),
+    ("1", "Two ways to cut one matrix multiplication", 244, 10, 1, 10, 7, 8),
+    ("1", "A worked example on two ranks", 349, 31, 0, 7, 8, 9),
+    ("1", "The conjugate pairs `f` and `g`", 125, 0, 0, 0, 3, 3),
+    ("1", "Why each backward is the other collective", 230, 0, 1, 2, 10, 12),
+    ("1", "What it shards", 221, 0, 1, 5, 9, 10),
+    ("1", "What it costs in communication", 172, 0, 0, 3, 6, 7),
+    ("1", "Why the backward pass re-gathers the saved local shard", 100, 0, 0, 3, 3, 4),
+    ("1", "Norm weights under SP", 117, 0, 0, 1, 3, 5),
+    ("1", "9. Your own model: a plan", 577, 190, 0, 19, 25, 28),
+    ("1", "What part 1 built", 33, 0, 0, 0, 1, 1),
+    ("2", "(opening)", 92, 0, 0, 1, 1, 2),
+    ("2", "1. Hiding the communication under the GEMMs", 109, 0, 0, 1, 3, 5),
+    ("2", "All-gather + GEMM as a ring", 108, 0, 1, 1, 8, 10),
+    ("2", "The other ring, and the backward passes", 82, 0, 0, 0, 4, 5),
+    ("2", "2. What overlap can save: four bounds", 524, 0, 0, 29, 18, 18),
+    ("2", "3. When overlap pays on a GPU: a back-of-envelope", 478, 48, 0, 21, 12, 14),
 )
-TOTALS = 2  # the first two logs are whole readings: the fit must predict them within 15 %
-REREAD = "(read it twice)"
+# Whole readings of that core (its sections only): learners A and B, and a third learner's.
+WHOLE_READINGS = (139, 164, 137)
 DEEP_DIVE = "Deep dive"
 NOT_READ = ("References",)  # headings of sections a reader looks up, not reads
 
@@ -91,11 +100,6 @@ def _fence(block):
     return block.split("\n", 1)[0].strip("`~ ")
 
 
-def python_blocks(text):
-    """Fenced blocks of Python (excerpts and examples) in `text`, comments aside."""
-    return sum(1 for m in FENCED.finditer(COMMENT.sub(" ", text)) if _fence(m.group(0)) == "python")
-
-
 def formulas(text):
     """Formulas a reader checks: backtick spans in prose that hold an operator (not a file name,
     a flag, a keyword argument or a call), and the lines of fenced blocks that are not Python or
@@ -109,44 +113,39 @@ def formulas(text):
     return n + sum(1 for s in spans if _OPERATOR.search(s) and not _CODE_NOT_FORMULA.match(s))
 
 
-def reading_minutes(text):
-    """The reading rates alone: prose, code, figures and tables."""
-    text = COMMENT.sub(" ", text)
-    code = sum(len(m.group(0).split()) for m in FENCED.finditer(text))
-    prose = len(text.split()) - code
-    figures = len(re.findall(r"!\[", text))
-    tables = len(re.findall(r"^\|\s*:?-{3,}", text, flags=re.M))
-    return (prose / PROSE_WPM + code / CODE_WPM + figures * MINUTES_PER_FIGURE
-            + tables * MINUTES_PER_TABLE)
+def counts(text):
+    """(prose words, code words, figures shown, formulas) of `text` (markdown)."""
+    text_read = COMMENT.sub(" ", text)
+    code = sum(len(m.group(0).split()) for m in FENCED.finditer(text_read))
+    return (len(text_read.split()) - code, code, len(re.findall(r"!\[", text_read)),
+            formulas(text))
 
 
-def predict(rates, python, formula_count, per_block=None, per_formula=None):
-    """Minutes from the counts: the reading rates' minutes plus the understanding term."""
-    per_block = MINUTES_PER_PYTHON_BLOCK if per_block is None else per_block
-    per_formula = MINUTES_PER_FORMULA if per_formula is None else per_formula
-    return rates + per_block * python + per_formula * formula_count
+def predict(prose, code, figures, formula_count, constants=None):
+    """Minutes from the counts, by the constants in use or by `constants`, (prose words a
+    minute, code words a minute, minutes a figure, minutes a formula)."""
+    prose_wpm, code_wpm, per_figure, per_formula = constants or (
+        PROSE_WPM, CODE_WPM, MINUTES_PER_FIGURE, MINUTES_PER_FORMULA)
+    return (prose / prose_wpm + code / code_wpm + figures * per_figure
+            + formula_count * per_formula)
 
 
 def minutes(text):
-    """The formula's minutes for `text` (markdown), re-reading not included."""
-    return predict(reading_minutes(text), python_blocks(text), formulas(text))
+    """The formula's minutes for `text` (markdown)."""
+    return predict(*counts(text))
 
 
-def fit(data=CALIBRATION, totals=TOTALS, tolerance=0.15):
-    """(minutes per Python block, per formula): the grid point with the least squared relative
-    error over `data` among those that predict its first `totals` logs within `tolerance`."""
-    best = None
-    for i in range(17):
-        for j in range(51):
-            a, b = i * 0.25, j * 0.01
-            errors = [predict(r, py, f, a, b) / measured - 1 for _, r, py, f, measured in data]
-            if max(abs(e) for e in errors[:totals]) <= tolerance:
-                score = sum(e * e for e in errors)
-                if best is None or score < best[0]:
-                    best = (score, a, b)
-    if best is None:
-        raise ValueError(f"no constants predict the {totals} whole readings within {tolerance}")
-    return best[1], best[2]
+def fit(data=CALIBRATION):
+    """(prose words a minute, code words a minute, minutes a figure, minutes a formula): the
+    least squares of the learners' mean minutes per section on the four counts (no constant
+    term), rounded as the module's docstring says."""
+    import numpy as np
+
+    rows = np.array([row[2:6] for row in data], dtype=float)
+    mean = np.array([sum(row[6:]) / len(row[6:]) for row in data], dtype=float)
+    per_prose, per_code, per_figure, per_formula = np.linalg.lstsq(rows, mean, rcond=None)[0]
+    return (5 * round(1 / per_prose / 5), 5 * round(1 / per_code / 5),
+            round(2 * float(per_figure)) / 2, round(float(per_formula), 2))
 
 
 def sections(text):
@@ -165,14 +164,14 @@ def sections(text):
 
 
 def timed_parts(text):
-    """{'core': minutes, 'dives': [(heading, minutes)], 'unread': minutes} of one post. A
-    section counts twice when its heading says REREAD; a deep dive holds its subsections."""
+    """{'core': minutes, 'dives': [(heading, minutes)], 'unread': minutes} of one post; a deep
+    dive holds its subsections."""
     core, unread, dives = 0.0, 0.0, []
     enclosing = None  # (level, index in dives) of the deep dive or unread section we are in
     for level, title, body in sections(text):
         if enclosing is not None and level <= enclosing[0]:
             enclosing = None
-        t = minutes(body) * (2 if REREAD in title else 1)
+        t = minutes(body)
         if enclosing is not None and is_deep_dive(title):
             raise ValueError(f"a deep dive inside another: {title!r}")
         if enclosing is None and is_deep_dive(title):

@@ -20,6 +20,7 @@ number that looks measured outside the allow-list below.
 """
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -113,6 +114,12 @@ _CORRECTED = [
     ("part2", "/docs/float8.md", "torchtitan's docs/float8.md is gone"),
     ("part1", "they must, to build the same full weights", "one generator state is this package's choice"),
     ("part2", "TP 2 pays\nwhile each all-reduce", "Llama 3 70B does not fit one H100: TP 8 against TP 4"),
+    # what learners of the sixth edition stumbled on (a letter with two meanings, a miscount)
+    ("part1", "with three concessions", "section 9 lists four concessions"),
+    ("part1", "normalised `x·rms`", "the normalised input is x / rms(x)"),
+    ("part1", "`Shard(d)`", "d is the head size; a placement's dimension is `dim`"),
+    ("part2", "T_comm", "a layer's transfers are τc in every section, not T_comm"),
+    ("part2", "`τc` the block's transfers", "bound 4's block transfers are σ, not a layer's τc"),
 ]
 
 
@@ -137,8 +144,8 @@ def test_the_corrected_claims_stay_corrected():
     appendix = part2.split("appendix, generating text", 1)[1].split("## References", 1)[0]
     assert "scaling-book/inference" in appendix, "the generation appendix cites no inference chapter"
     bound4 = part2.split("4. **A block of rings", 1)[1].split("Real runs stay", 1)[0]
-    assert "can reach" not in bound4 and "cannot go below `max(τc, κ)`" in bound4, (
-        "bound 4: no schedule can go *below* max(τc, κ); it is a limit, not a reachable time")
+    assert "can reach" not in bound4 and "cannot go below `max(σ, κ)`" in bound4, (
+        "bound 4: no schedule can go *below* max(σ, κ); it is a limit, not a reachable time")
 
 
 def test_diffs_in_the_posts_add_the_lines_of_the_file_they_name():
@@ -230,11 +237,17 @@ def test_render_fills_placeholders_and_refuses_unknown_ones():
             post.render(bad, data, {})
 
 
-def test_the_core_reads_in_75_minutes_and_every_stated_time_is_the_formulas():
+# A ceiling on the core, so that it does not grow. A 75-minute core proved out of reach: the
+# learners who studied the sixth edition's core to answer its four checks took 137 to 164
+# minutes, and the sections those checks need take about 140 by the formula fitted on their
+# logs (post/reading.py).
+CORE_MINUTES_MAX = 150
+
+
+def test_the_core_stays_under_its_ceiling_and_every_stated_time_is_the_formulas():
     """Recomputed from the committed posts: the core of both parts (every section not marked as
-    a deep dive, references aside) takes at most 75 minutes by the calibrated formula, reading
-    and understanding; part 1 states it and the whole, part 2 its own two, and each deep dive
-    its own, in its heading."""
+    a deep dive, references aside) takes at most CORE_MINUTES_MAX by the fitted formula; part 1
+    states it and the whole, part 2 its own two, and each deep dive its own, in its heading."""
     from tensor_parallel_toy.post import reading
     from tensor_parallel_toy.post.reading import stated
 
@@ -242,13 +255,14 @@ def test_the_core_reads_in_75_minutes_and_every_stated_time_is_the_formulas():
     parts = {name: reading.timed_parts(text) for name, text in posts.items()}
     core = sum(p["core"] for p in parts.values())
     whole = core + sum(t for p in parts.values() for _, t in p["dives"])
-    assert core <= 75, f"the core takes {core:.1f} minutes by the formula, over 75"
+    assert core <= CORE_MINUTES_MAX, (
+        f"the core takes {core:.1f} minutes by the formula, over {CORE_MINUTES_MAX}")
     first, second = (posts[name] for name in sorted(posts))
     assert f"The *core*, about {stated(core)}, is" in first
-    assert f"Everything takes about {stated(whole)}," in first
+    assert f"Everything takes about {stated(whole)}:" in first
     part2 = parts[sorted(posts)[1]]
     assert (f"about {stated(part2['core'] + sum(t for _, t in part2['dives']))} with its deep "
-            f"dives; its core, sections 1 to 3, about\n{stated(part2['core'])}") in second
+            f"dives; its core, sections 1 and 2, about\n{stated(part2['core'])}") in second
     for name, p in parts.items():
         assert p["dives"], f"{name} marks no deep dive"
         for heading, minutes in p["dives"]:
@@ -259,37 +273,50 @@ def test_the_core_reads_in_75_minutes_and_every_stated_time_is_the_formulas():
             assert body.startswith("*Adds: "), f"{name}: {heading!r} does not say what it adds"
 
 
-def test_the_understanding_constants_are_the_fit_of_the_learners_logs():
-    """The constants in use are what `fit` finds on the calibration data, and they predict
-    both whole readings (the fourth edition, the fifth's core) within 15 %."""
+def test_the_constants_are_the_fit_of_the_learners_logs_and_predict_each_whole_reading():
+    """The constants in use are what `fit` finds on the calibration data; the formula predicts
+    each learner's whole reading of that core within 15 %; and the counts are those of the
+    posts as the learners read them (commit 2c9f6b2), where the clone has that commit."""
     from tensor_parallel_toy.post import reading
 
-    assert reading.fit() == (reading.MINUTES_PER_PYTHON_BLOCK, reading.MINUTES_PER_FORMULA)
-    for name, rates, python, formulas, measured in reading.CALIBRATION[:reading.TOTALS]:
-        predicted = reading.predict(rates, python, formulas)
-        assert abs(predicted / measured - 1) <= 0.15, (name, predicted, measured)
+    assert reading.fit() == (reading.PROSE_WPM, reading.CODE_WPM, reading.MINUTES_PER_FIGURE,
+                             reading.MINUTES_PER_FORMULA)
+    predicted = sum(reading.predict(*row[2:6]) for row in reading.CALIBRATION)
+    learners = [sum(row[6 + i] for row in reading.CALIBRATION) for i in range(2)]
+    assert learners == list(reading.WHOLE_READINGS[:2])
+    for measured in reading.WHOLE_READINGS:
+        assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+    read = {}
+    for part, path in (("1", "blog/part1-tp-and-sp.md"),
+                       ("2", "blog/part2-overlap-and-real-models.md")):
+        shown = subprocess.run(["git", "show", f"2c9f6b2:{path}"], cwd=ROOT,
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            pytest.skip("this clone lacks commit 2c9f6b2, the posts the learners read")
+        for level, title, body in reading.sections(shown.stdout):
+            read[part, "(opening)" if level == 1 else title] = reading.counts(body)
+    for row in reading.CALIBRATION:
+        assert read[row[0], row[1]] == row[2:6], row[:2]
 
 
 def test_reading_time_formula_counts_each_kind_of_reading_at_its_rate():
     from tensor_parallel_toy.post import reading
 
-    assert reading.minutes(" ".join(["word"] * 175)) == pytest.approx(1.0)
-    code = "```bash\n" + " ".join(["x"] * 68) + "\n```\n"  # 68 words and the two fences
+    assert reading.minutes(" ".join(["word"] * 45)) == pytest.approx(1.0)
+    code = "```python\n" + " ".join(["x"] * 18) + "\n```\n"  # 18 words and the two fences
     assert reading.minutes(code) == pytest.approx(1.0)
-    python = "```python\n" + " ".join(["x"] * 68) + "\n```\n"  # and one block to map
-    assert reading.minutes(python) == pytest.approx(1.0 + reading.MINUTES_PER_PYTHON_BLOCK)
     # two formulas (an operator in each span), a file name and a keyword argument that are not
     assert reading.formulas("`a = b`, `2h`, `post/reading.py`, `overlap=True`, `x`") == 2
     assert reading.formulas("```\nY = X Wᵀ\n\nT = C + G\n```\n") == 2  # lines of an equation
-    figure_and_table = "![a](b.png)\n\n| a |\n| --- |\n| 1 |\n"  # and 10 words of prose
-    assert reading.minutes(figure_and_table) == pytest.approx(3 + 1.5 + 10 / 175)
-    assert reading.minutes("<!-- excerpt: a/b.py --> [figure](x.png)") == pytest.approx(1 / 175)
-    text = ("intro words\n## A (read it twice)\none two three\n## Deep dive, 0 min: B\n"
+    figure = "![a](b.png) and eight more words of prose in this line"
+    assert reading.minutes(figure) == pytest.approx(4 + 10 / 45)  # the image is a word too
+    assert reading.minutes("<!-- excerpt: a/b.py --> [figure](x.png)") == pytest.approx(1 / 45)
+    text = ("intro words\n## A\none two three\n## Deep dive, 0 min: B\n"
             "four\n### sub\nfive six\n## References\nseven\n## C\neight\n")
     parts = reading.timed_parts(text)
-    words = lambda n: n / 175  # noqa: E731
-    # intro 2; A: 8 words (heading included) read twice; C: 3; the dive: 7 + 4; refs: 3
-    assert parts["core"] == pytest.approx(words(2 + 2 * 8 + 3))
+    words = lambda n: n / 45  # noqa: E731
+    # intro 2; A: 5 words with its heading; C: 3; the dive: 7 + 4; refs: 3
+    assert parts["core"] == pytest.approx(words(2 + 5 + 3))
     assert parts["dives"] == [("Deep dive, 0 min: B", pytest.approx(words(11)))]
     assert parts["unread"] == pytest.approx(words(3))
     with pytest.raises(ValueError, match="inside another"):
@@ -297,8 +324,8 @@ def test_reading_time_formula_counts_each_kind_of_reading_at_its_rate():
 
 
 @pytest.mark.parametrize("post, expected", [
-    ("a\n## 3. Deep dive, {{time:dive}}: x\n" + "w " * 350 + "\n## Core\n{{time:core}}",
-     "a\n## 3. Deep dive, 2 min: x\n" + "w " * 350 + "\n## Core\n1 min"),
+    ("a\n## 3. Deep dive, {{time:dive}}: x\n" + "w " * 90 + "\n## Core\n{{time:core}}",
+     "a\n## 3. Deep dive, 2 min: x\n" + "w " * 90 + "\n## Core\n1 min"),
     ("## Deep dive: x\nw\n", "states no {{time:dive}}"),
     ("## x {{time:dive}}\nw\n", "outside a deep dive's heading"),
 ], ids=["filled", "dive-without-time", "dive-time-elsewhere"])
