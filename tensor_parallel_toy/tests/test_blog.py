@@ -258,7 +258,9 @@ def test_the_core_stays_under_its_ceiling_and_every_stated_time_is_the_formulas(
     assert core <= CORE_MINUTES_MAX, (
         f"the core takes {core:.1f} minutes by the formula, over {CORE_MINUTES_MAX}")
     first, second = (posts[name] for name in sorted(posts))
-    assert f"The *core*, about {stated(core)}, is" in first
+    part1 = parts[sorted(posts)[0]]
+    assert (f"The *core*, about {stated(core)}, is" in first
+            and f"the rest of part 1 (about {stated(part1['core'])})" in first)
     assert f"Everything takes about {stated(whole)}:" in first
     part2 = parts[sorted(posts)[1]]
     assert (f"about {stated(part2['core'] + sum(t for _, t in part2['dives']))} with its deep "
