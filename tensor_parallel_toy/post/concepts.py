@@ -60,19 +60,19 @@ def draw_column_row_split(path):
     y0 = 2.2
     ax.axhline(6.9, color="#999999", linewidth=0.8)
     ax.text(0.3, 6.3, "Row-parallel: rank r keeps W's input columns, "
-            r"$W_r$ [out, in/p], and needs only $X_r$", fontsize=11, weight="bold",
+            r"$W[:, r]$ [out, in/p], and needs only $X[:, r]$", fontsize=11, weight="bold",
             va="center")
     for r in range(2):
-        box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X_{r}$\n[sb,\nin/p]",
+        box(ax, 0.4 + r * din / 2, y0, din / 2, n, f"$X[:, {r}]$\n[sb,\nin/p]",
              RANK_FILL[r], RANK_EDGE[r])
     ax.text(3.2, y0 + n / 2, "·", fontsize=18, ha="center", va="center")
     for r in range(2):
         box(ax, x_w, y0 + (n - din) / 2 + (1 - r) * din / 2, dout, din / 2,
-             f"$W_{r}^T$  [in/p, out]", RANK_FILL[r], RANK_EDGE[r])
+             f"$W[:, {r}]^T$  [in/p, out]", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq, y0 + n / 2, "→", fontsize=16, ha="center", va="center")
     for r in range(2):
         x = x_eq + 0.4 + r * (dout + 0.6)
-        box(ax, x, y0, dout, n, f"$P_{r} = X_{r}\\,W_{r}^T$\n[sb, out]\nrank {r}\n\n"
+        box(ax, x, y0, dout, n, f"$P_{r} = X[:, {r}]\\,W[:, {r}]^T$\n[sb, out]\nrank {r}\n\n"
              "full size,\na partial sum", RANK_FILL[r], RANK_EDGE[r])
     ax.text(x_eq + 0.4 + dout + 0.3, y0 + n / 2, "+", fontsize=16, ha="center", va="center")
     ax.text(x_eq + 0.4 + 2 * dout + 0.9, y0 + n / 2, "=", fontsize=16, ha="center",
@@ -81,7 +81,8 @@ def draw_column_row_split(path):
     ax.text(0.4, 1.3, "Forward: the sum is the communication: an all-reduce, which leaves Y on "
             "every rank (section 3's g).", fontsize=9, va="center")
     ax.text(0.4, 0.3, "Backward: every rank needs all of dY, already on every rank (the "
-            r"identity);  $dX_r = dY\,W_r$,  $dW_r = dY^T X_r$.", fontsize=9, va="center")
+            r"identity);  $dX[:, r] = dY\,W[:, r]$,  $dW[:, r] = dY^T X[:, r]$.", fontsize=9,
+            va="center")
     save(fig, path)
 
 
