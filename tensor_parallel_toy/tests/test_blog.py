@@ -275,7 +275,20 @@ def test_the_core_stays_under_its_ceiling_and_every_stated_time_is_the_formulas(
             assert body.startswith("*Adds: "), f"{name}: {heading!r} does not say what it adds"
 
 
-def test_the_constants_are_the_fit_of_the_learners_logs_and_predict_each_editions_mean():
+def _posts_at(commit):
+    """{"1": part 1, "2": part 2} as rendered at `commit`; skips where the clone lacks it."""
+    posts = {}
+    for part, path in (("1", "blog/part1-tp-and-sp.md"),
+                       ("2", "blog/part2-overlap-and-real-models.md")):
+        shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT,
+                               capture_output=True, text=True)
+        if shown.returncode != 0:
+            pytest.skip(f"this clone lacks commit {commit}, posts the learners read")
+        posts[part] = shown.stdout
+    return posts
+
+
+def test_the_constants_are_the_fit_of_the_learners_logs_and_predict_each_versions_mean():
     """The constants in use are what `fit` finds on the calibration data; the formula predicts
     each version's mean whole reading within 15 %, and that of the later passes kept out of the
     fit; each log's sections add up to its whole reading; and the counts are those of the posts
@@ -284,32 +297,20 @@ def test_the_constants_are_the_fit_of_the_learners_logs_and_predict_each_edition
 
     assert reading.fit() == (reading.PROSE_WPM, reading.CODE_WPM, reading.MINUTES_PER_FIGURE,
                              reading.MINUTES_PER_FORMULA)
+    mean = lambda minutes: sum(minutes) / len(minutes)  # noqa: E731
     for commit, whole, rows in reading.CALIBRATION:
         predicted = sum(reading.predict(*row[2:6]) for row in rows)
         logged = [sum(row[6 + i] for row in rows) for i in range(len(rows[0]) - 6)]
         assert logged == list(whole[:len(logged)]), commit
-        mean = sum(whole) / len(whole)
-        assert abs(predicted / mean - 1) <= 0.15, (commit, predicted, mean)
-        read = {}
-        for part, path in (("1", "blog/part1-tp-and-sp.md"),
-                           ("2", "blog/part2-overlap-and-real-models.md")):
-            shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT,
-                                   capture_output=True, text=True)
-            if shown.returncode != 0:
-                pytest.skip(f"this clone lacks commit {commit}, posts the learners read")
-            for level, title, body in reading.sections(shown.stdout):
-                read[part, "(opening)" if level == 1 else title] = reading.counts(body)
+        assert abs(predicted / mean(whole) - 1) <= 0.15, (commit, predicted, whole)
+        read = {(part, "(opening)" if level == 1 else title): reading.counts(body)
+                for part, text in _posts_at(commit).items()
+                for level, title, body in reading.sections(text)}
         for row in rows:
             assert read[row[0], row[1]] == row[2:6], (commit, row[:2])
     for commit, whole in reading.CHECKS:  # later learners, not in the fit
-        core = 0.0
-        for path in ("blog/part1-tp-and-sp.md", "blog/part2-overlap-and-real-models.md"):
-            shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT,
-                                   capture_output=True, text=True)
-            if shown.returncode != 0:
-                pytest.skip(f"this clone lacks commit {commit}, posts the learners read")
-            core += reading.timed_parts(shown.stdout)["core"]
-        assert abs(core / (sum(whole) / len(whole)) - 1) <= 0.15, (commit, core, whole)
+        core = sum(reading.timed_parts(text)["core"] for text in _posts_at(commit).values())
+        assert abs(core / mean(whole) - 1) <= 0.15, (commit, core, whole)
 
 
 def test_reading_time_formula_counts_each_kind_of_reading_at_its_rate():
