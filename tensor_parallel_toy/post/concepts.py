@@ -17,7 +17,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from ..profiling.measure import memory_model
 from .concepts_halves import draw_ceiling_vs_limit, draw_halves_mirror
-from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_reduce_scatter
+from .concepts_rings import draw_ring_all_gather_gemm, draw_ring_pieces, draw_ring_reduce_scatter
 from .sketch import (COMM, RANK_EDGE, RANK_FILL, SOURCE_KEY, SUM, WIDTH_IN, arrow, box, canvas,
                      rounded, save, source_hash, styled)
 
@@ -369,6 +369,7 @@ DRAWERS = {"column_row_split.png": draw_column_row_split, "collectives.png": dra
            "transposes.png": draw_transposes,
            "regions.png": draw_regions, "ring_all_gather_gemm.png": draw_ring_all_gather_gemm,
            "ring_reduce_scatter.png": draw_ring_reduce_scatter,
+           "ring_pieces.png": draw_ring_pieces,
            "memory_per_tensor.png": draw_memory_per_tensor,
            "halves_mirror.png": draw_halves_mirror, "ceiling_vs_limit.png": draw_ceiling_vs_limit}
 

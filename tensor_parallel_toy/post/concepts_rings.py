@@ -1,7 +1,8 @@
-"""The blog's figures of the two rings (figures 4 and 5): the ring all-gather + GEMM of the
-column layer's forward and the ring reduce-scatter of the row layer's, step by step on four
-ranks, each with one rank's timeline; they follow `ring_all_gather` and `ring_reduce_scatter`
-in ring.py."""
+"""The blog's figures of the rings: the ring all-gather + GEMM of the column layer's forward and
+the ring reduce-scatter of the row layer's, step by step on four ranks, each with one rank's
+timeline; they follow `ring_all_gather` and `ring_reduce_scatter` in ring.py. And one rank's
+timeline with each chunk sent whole or in pieces (part 2's bounds 2 and 3), from
+`piece_schedule`, which runs `ring_all_gather`'s loop on a clock."""
 from matplotlib.patches import Rectangle
 
 from .sketch import COMM, FULL, RANK_EDGE, RANK_FILL, arrow, canvas, save, styled
@@ -146,4 +147,55 @@ def draw_ring_reduce_scatter(path):
         (k * t_g, k * t_g + t_c, f"send Σ{order[k - 1]} ► 2\nrecv Σ{order[k]} ◄ 0", COMM,
          False)
         for k in range(1, p)], scale)
+    save(fig, path)
+
+
+def piece_schedule(p, pieces, tau_c, tau_g):
+    """One rank's timeline in the all-gather ring + GEMM, chunks of equal cost and no latency,
+    each chunk sent as `pieces` pieces, as `ring_all_gather`'s loop runs it: at step k, for
+    each piece j, wait for it to arrive, post its transfer onward (it starts when the link is
+    free), then run its GEMM. Every rank runs the same clock, so a piece arrives when its
+    sender's transfer of it ends. Returns (spans, end): spans are (lane, start, end, step,
+    piece), lane "transfer" or "GEMM"; `end`, the last GEMM's end, is section 2's `τ`."""
+    transfer, gemm = tau_c / ((p - 1) * pieces), tau_g / (p * pieces)
+    spans, now, link, arrives = [], 0.0, 0.0, {}
+    for k in range(p):
+        for j in range(pieces):
+            now = max(now, arrives.get((k, j), 0.0))  # wait for the piece (own chunk: at once)
+            if k < p - 1:  # post it onward: the next rank's piece j of step k + 1
+                start = max(now, link)
+                link = arrives[k + 1, j] = start + transfer
+                spans.append(("transfer", start, link, k + 1, j))
+            spans.append(("GEMM", now, now + gemm, k, j))
+            now += gemm
+    return spans, now
+
+
+@styled
+def draw_ring_pieces(path):
+    """Rank 0's timeline at p = 2 with the chunk from rank 1 sent whole, then in two pieces,
+    from `piece_schedule`: part 2's bounds 2 and 3 on a clock."""
+    p, tau_g, tau_c, scale = 2, 8.0, 6.0, 1.45  # in units of τg/8: τc = 3/4 · τg
+    fig, ax = canvas(20, 7.6)
+    ax.text(0.3, 7.15, r"Rank 0 of p = 2, $\tau_c = 3/4 \cdot \tau_g$, in units of "
+            r"$\tau_g/8$: rank 1's chunk sent whole (M = 1) or in M = 2 pieces",
+            fontsize=10, weight="bold", va="center")
+    x0 = 3.3
+    for t in range(11):
+        ax.text(x0 + t * scale, 6.45, str(t), ha="center", va="center", fontsize=8)
+        ax.plot([x0 + t * scale] * 2, [1.3, 6.2], color="#dddddd", linewidth=0.6, zorder=0)
+    for row, pieces in enumerate((1, 2)):
+        spans, end = piece_schedule(p, pieces, tau_c, tau_g)
+        y = 4.9 - row * 2.6
+        name = (lambda k, j: ("o" if k == 0 else "x") + (str(j) if pieces > 1 else ""))
+        for lane, dy in (("transfer", 0.0), ("GEMM", -0.9)):
+            _timeline(ax, y + dy, f"M = {pieces}: {lane}s" if lane == "GEMM" else
+                      f"M = {pieces}: transfers", [
+                (start, stop, name(k, j), COMM if lane == "transfer" else RANK_FILL[k], False)
+                for lane_, start, stop, k, j in spans if lane_ == lane], scale, x0)
+        ax.text(x0 + end * scale + 0.2, y - 0.55, f"τ = {end:g}", fontsize=9, va="center")
+    ax.text(0.3, 0.6, "o: the GEMM of rank 0's own chunk; x: the chunk from rank 1, its "
+            "transfer, then its GEMM; pieces numbered.", fontsize=8.5, va="center")
+    ax.text(0.3, 0.15, "M = 1: τ = τc + τg/2 = 10.   M = 2: only the last piece's GEMM, τg/4, "
+            "has nothing beside it: τ = τc + τg/4 = 8 = τg.", fontsize=8.5, va="center")
     save(fig, path)

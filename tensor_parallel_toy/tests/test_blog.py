@@ -240,8 +240,10 @@ def test_render_fills_placeholders_and_refuses_unknown_ones():
 # A ceiling on the core, so that it does not grow. A 75-minute core proved out of reach: the
 # learners who studied the sixth edition's core to answer its four checks took 125 to 164
 # minutes, and the sections each check needs take 18 to 40 minutes by the formula fitted on
-# their logs (post/reading.py), the four together with what they share about 140.
-CORE_MINUTES_MAX = 155
+# their logs (post/reading.py), the four together with what they share about 140. Raised from
+# 155 to 160 for the drawn timeline of part 2's bounds 2 and 3 (a figure, 3.5 minutes by the
+# formula, in place of an ASCII one that learners found hard to count).
+CORE_MINUTES_MAX = 160
 
 
 def test_the_core_stays_under_its_ceiling_and_every_stated_time_is_the_formulas():
@@ -261,7 +263,7 @@ def test_the_core_stays_under_its_ceiling_and_every_stated_time_is_the_formulas(
     part1 = parts[sorted(posts)[0]]
     assert (f"The *core*, about {stated(core)}, is" in first
             and f"the rest of part 1 (about {stated(part1['core'])})" in first)
-    assert f"Everything takes about {stated(whole)}:" in first
+    assert f"Everything takes about {stated(whole)}, pencil" in first
     part2 = parts[sorted(posts)[1]]
     assert (f"about {stated(part2['core'] + sum(t for _, t in part2['dives']))} with its deep "
             f"dives; its core, sections 1 and 2, about\n{stated(part2['core'])}") in second

@@ -190,3 +190,29 @@ def test_drawing_a_figure_twice_gives_the_same_bytes(tmp_path):
     concepts.draw_regions(str(second))
     assert first.read_bytes() == second.read_bytes(), "two drawings of regions.png differ"
     assert concepts.drawn_from(first) == concepts.source_hash()
+
+
+def test_the_ring_run_on_a_clock_gives_part_2s_bounds_2_and_3():
+    """`piece_schedule` (the figure of bounds 2 and 3) runs `ring_all_gather`'s loop on a
+    clock: whole chunks end at bound 2's `(p−1)·max(τg/p, τc/(p−1)) + τg/p`, M pieces at
+    `max(τg, τc + τg/(pM))`, for every p, M and ratio tried; a piece's GEMM never starts before
+    it has arrived, and neither the link nor the compute runs two things at once."""
+    from tensor_parallel_toy.post.concepts_rings import piece_schedule
+
+    tau_g = 1.0
+    for p in (2, 3, 8):
+        for pieces in (1, 2, 4):
+            for tau_c in (0.1, 0.5, (p - 1) / p, 0.9, 1.0, 1.7):
+                spans, end = piece_schedule(p, pieces, tau_c, tau_g)
+                if pieces == 1:
+                    assert end == pytest.approx(
+                        (p - 1) * max(tau_g / p, tau_c / (p - 1)) + tau_g / p)
+                assert end == pytest.approx(max(tau_g, tau_c + tau_g / (p * pieces)))
+                arrived = {(k, j): stop for lane, _, stop, k, j in spans if lane == "transfer"}
+                for lane in ("transfer", "GEMM"):
+                    runs = sorted((start, stop) for lane_, start, stop, *_ in spans
+                                  if lane_ == lane)
+                    assert all(a[1] <= b[0] + 1e-12 for a, b in zip(runs, runs[1:])), runs
+                assert all(start >= arrived[k, j] - 1e-12 for lane, start, _, k, j in spans
+                           if lane == "GEMM" and k > 0)
+                assert len(arrived) == (p - 1) * pieces
