@@ -31,18 +31,18 @@ part, and counted below):
     fifth (4ccdf75)        155      151, 157                         154   (CHECKS: not fitted)
     sixth (d659a4f)        156      151, 160                         156   (CHECKS: not fitted)
 
-The third version's two logs were taken as a check of the formula fitted on the first two
-(45, 25, 3.5, 0.17: it stated 152 minutes), then added; the later ones are kept out of the fit,
+The third version's two logs were taken as a check of the formula fitted on the first two (45,
+25, 3.5, 0.17: it stated 152 minutes), then added; the later ones are kept out of the fit,
 checks of this one (the sixth's first learner read one deep dive by mistake: 3 minutes, left
-out). Learners differ: two of them on the
-same text, 125 and 159 minutes. The formula predicts each version's mean within 15 % (the test
-holds it), not each learner's. The first version's learners also opened deep dives for what its
-core lacked (the plan's check call, the sizes that must divide, the second ring's figure: 16
-and 22 minutes), which the second moved into its core; later learners opened none. Two earlier logs, kept under a looser protocol (minutes to read, without
-the checks' standard of understanding), are left out: the fourth edition (all but its
-appendix: 10,356 prose words, 1,081 of code, 8 figures, 182 formulas) took 150 minutes (167 with
-its pencil checks), where this formula says 329; the fifth edition's core (5,457, 292, 6, 96)
-took 102, where it says 168. The constants are a calibration on six learners, not a law.
+out). Learners differ: two of them on the same text, 125 and 159 minutes. The formula predicts
+each version's mean within 15 % (the test holds it), not each learner's. The first version's
+learners also opened deep dives for what its core lacked (the plan's check call, the sizes that
+must divide, the second ring's figure: 16 and 22 minutes), which the second moved into its
+core; later learners opened none. Two earlier logs, kept under a looser protocol (minutes to
+read, without the checks' standard of understanding), are left out: the fourth edition (all but
+its appendix: 10,356 prose words, 1,081 of code, 8 figures, 182 formulas) took 150 minutes (167
+with its pencil checks), where this formula says 329; the fifth edition's core (5,457, 292, 6,
+96) took 102, where it says 168. The constants are a calibration on six learners' logs, not a law.
 
 Words are whitespace-separated, as `wc -w` counts them; HTML comments (the excerpt tags) are
 not read. A figure that is only linked, `[figure](x.png)`, is not counted: the reader chooses.
