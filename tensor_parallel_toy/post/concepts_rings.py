@@ -189,8 +189,7 @@ def draw_ring_pieces(path):
         y = 4.9 - row * 2.6
         name = (lambda k, j: ("o" if k == 0 else "x") + (str(j) if pieces > 1 else ""))
         for lane, dy in (("transfer", 0.0), ("GEMM", -0.9)):
-            _timeline(ax, y + dy, f"M = {pieces}: {lane}s" if lane == "GEMM" else
-                      f"M = {pieces}: transfers", [
+            _timeline(ax, y + dy, f"M = {pieces}: {lane}s", [
                 (start, stop, name(k, j), COMM if lane == "transfer" else RANK_FILL[k], False)
                 for lane_, start, stop, k, j in spans if lane_ == lane], scale, x0)
         ax.text(x0 + end * scale + 0.2, y - 0.55, f"τ = {end:g}", fontsize=9, va="center")

@@ -205,13 +205,12 @@ def _holders(objects, depth=3):
     import gc
     import inspect
 
-    out, frame = [], inspect.currentframe()
+    out = []
     for o in objects:
         chain, level = [], [o]
         for _ in range(depth):
             level = [r for x in level for r in gc.get_referrers(x)
-                     if r is not frame and r is not level and r is not objects
-                     and not inspect.isframe(r)][:4]
+                     if r is not level and r is not objects and not inspect.isframe(r)][:4]
             chain.append(sorted({type(r).__name__ for r in level}))
         out.append(chain)
     return out
